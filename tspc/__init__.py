@@ -1,0 +1,1 @@
+"""tspc: Tensor-and-Sequence Parallelism as a torch.compile backend."""
