@@ -1,0 +1,192 @@
+"""Small helpers shared by the passes: what a node computes, its value's metadata, names."""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+# Spellings Dynamo uses for the same operation, mapped to one canonical name.
+_ALIASES = {
+    "truediv": "div",
+    "floordiv": "floor_divide",
+    "and_": "bitwise_and",
+    "or_": "bitwise_or",
+    "xor": "bitwise_xor",
+    "invert": "bitwise_not",
+    "iadd": "add_",
+    "isub": "sub_",
+    "imul": "mul_",
+    "itruediv": "div_",
+    "scaled_dot_product_attention": "sdpa",
+    "_scaled_dot_product_attention": "sdpa",
+}
+
+
+def op_name(node: fx.Node) -> str | None:
+    """Canonical name of what a call node does ('add', 'linear', 'view', 'sdpa', ...)."""
+    if node.op == "call_method":
+        return _ALIASES.get(node.target, node.target)
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            name = t._opname
+        elif isinstance(t, torch._ops.OpOverloadPacket):
+            name = t._qualified_op_name.split("::")[-1]
+        else:
+            name = getattr(t, "__name__", None)
+        if name is None:
+            return None
+        return _ALIASES.get(name, name)
+    return None
+
+
+def val(node: Any) -> Any:
+    """The (fake) value a node produced, as recorded by Dynamo or by our shape propagation."""
+    if not isinstance(node, fx.Node):
+        return node
+    m = node.meta
+    if "val" in m:
+        return m["val"]
+    return m.get("example_value")
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node: fx.Node) -> tuple[int, ...]:
+    v = tensor_val(node)
+    if v is None:
+        raise ValueError(f"node {node} has no tensor value")
+    return tuple(int(s) for s in v.shape)
+
+
+def is_tensor_node(x: Any) -> bool:
+    return isinstance(x, fx.Node) and tensor_val(x) is not None
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Distinct tensor-valued nodes among a node's args and kwargs, in order."""
+    seen: list[fx.Node] = []
+
+    def visit(a):
+        if isinstance(a, fx.Node) and is_tensor_node(a) and a not in seen:
+            seen.append(a)
+        return a
+
+    map_arg((node.args, node.kwargs), visit)
+    return seen
+
+
+def replace_input(node: fx.Node, old: fx.Node, new: fx.Node) -> None:
+    node.args = map_arg(node.args, lambda a: new if a is old else a)
+    node.kwargs = map_arg(node.kwargs, lambda a: new if a is old else a)
+
+
+_SOURCE_PART = re.compile(
+    r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]|\.(\w+)|\[(\d+)\]"
+)
+
+
+def fqn_from_source(source_name: str) -> str:
+    """``L['args'][0]._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``.
+
+    Dynamo names a parameter by the access path from the compiled callable's arguments; the
+    leading ``L['self']`` / ``L['args'][0]`` is the module itself and is dropped.
+    """
+    m = re.match(r"^L\[['\"](?:self|args|kwargs)['\"]\](?:\[\d+\])?", source_name)
+    rest = source_name[m.end() :] if m else source_name
+    parts = []
+    for a, b, c in _SOURCE_PART.findall(rest):
+        parts.append(a or b or c)
+    return ".".join(parts)
+
+
+def placeholder_fqn(node: fx.Node) -> str:
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    if src is not None:
+        try:
+            return fqn_from_source(src.name)
+        except Exception:  # noqa: BLE001 - fall back to the placeholder's name below
+            pass
+    # Fallback: Dynamo's placeholder names spell the same path with underscores, e.g.
+    # l_self_modules_layers_modules_0_modules_attn_modules_q_proj_parameters_weight_
+    name = re.sub(r"^l_(?:self|args_\d+|kwargs)_", "", node.name.lower())
+    parts = [p for p in re.split(r"_?(?:modules|parameters|buffers)_", name) if p]
+    return ".".join(p.strip("_") for p in parts)
+
+
+def module_fqn_of_param(param_fqn: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``model.layers.0.self_attn``."""
+    parts = param_fqn.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else ".".join(parts[:-1])
+
+
+def node_module_fqn(node: fx.Node) -> str:
+    """The innermost module a call node was traced in, from ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return fqn_from_source(path) if path.startswith("L[") else path
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def normalize_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument by position or keyword (Dynamo emits both spellings)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def set_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
+    if len(node.args) > index:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+    else:
+        kwargs = dict(node.kwargs)
+        kwargs[name] = value
+        node.kwargs = kwargs
+
+
+def fake_value(node: fx.Node) -> Any:
+    """Compute a new node's value from its inputs' fake values (for nodes a pass inserts)."""
+    fake_mode = None
+
+    def to_val(a):
+        nonlocal fake_mode
+        v = val(a)
+        if isinstance(v, torch.Tensor) and fake_mode is None:
+            fake_mode = getattr(v, "fake_mode", None)
+        return v
+
+    args = map_arg(node.args, to_val)
+    kwargs = map_arg(node.kwargs, to_val)
+    if fake_mode is None:
+        raise ValueError(f"no fake input to evaluate {node}")
+    with fake_mode:
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+    raise ValueError(f"cannot evaluate {node.op} node {node}")
+
+
+def set_fake_value(node: fx.Node) -> fx.Node:
+    node.meta["val"] = fake_value(node)
+    return node

@@ -1,0 +1,405 @@
+"""Pass 2a — match attention: find self-attention blocks the TSP broadcast schedule can run.
+
+Anchored on ``F.scaled_dot_product_attention``. From each call the matcher walks back to the
+projections that produce q, k and v (``F.linear`` with a parameter weight, possibly a row slice
+of a fused QKV projection), recognises grouped-query head repetition between the keys/values and
+the call (dropped by the schedule, which repeats heads itself), and walks forward to the output
+projection. Whatever lies in between — reshapes, RoPE, q/k norms, biases — is left as it is and
+later run once per head group; ``rewrite_attention`` checks that it really is head-local.
+
+Every SDPA call yields either an ``AttentionMatch`` or a ``Skip`` with the reason, so a model
+whose attention is not rewritten says so.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .analyse import GraphInfo
+from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs
+
+
+@dataclass
+class Skip:
+    kind: str  # "attention" | "mlp"
+    module: str
+    reason: str
+
+
+@dataclass
+class Projection:
+    """``x @ weight[rows].T (+ bias[rows])`` — a whole linear layer or a row slice of a fused one."""
+
+    linear: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    row_start: int
+    row_stop: int
+    out: fx.Node  # the node whose value this projection is (the linear, or its slice)
+    n_heads: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def unit(self) -> int:
+        """Rows per head."""
+        return self.rows // self.n_heads
+
+    def key(self) -> tuple:
+        return (self.linear, self.row_start, self.row_stop)
+
+
+@dataclass
+class AttentionMatch:
+    module: str
+    sdpa: fx.Node
+    x: fx.Node
+    q: Projection
+    k: Projection
+    v: Projection
+    o_linear: fx.Node
+    o_weight: fx.Node
+    o_bias: fx.Node | None
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    k_root: fx.Node  # keys after the last head-local op, before any GQA head repetition
+    v_root: fx.Node
+    repeat_nodes: list[fx.Node] = field(default_factory=list)
+    is_causal: bool = False
+    mask: fx.Node | None = None
+    scale: float | None = None
+
+    def projections(self) -> list[Projection]:
+        """Distinct projections (a fused QKV projection appears once)."""
+        out: dict[tuple, Projection] = {}
+        for p in (self.q, self.k, self.v):
+            out.setdefault(p.key(), p)
+        return list(out.values())
+
+
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_args(node: fx.Node) -> dict:
+    defaults = (None, None, None, None, 0.0, False, None, False)
+    return {name: arg(node, i, name, d) for i, (name, d) in enumerate(zip(SDPA_ARGS, defaults))}
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _param_linear(node: fx.Node, params) -> bool:
+    if op_name(node) != "linear":
+        return False
+    w = arg(node, 1, "weight")
+    return isinstance(w, fx.Node) and w in params
+
+
+def _single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _head_repeat_chain(kv: fx.Node, heads_target: int) -> tuple[fx.Node, list[fx.Node]]:
+    """Walk back over Llama-style ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
+    ``repeat_interleave(n, dim=1)``. Returns (root before repetition, the repetition nodes)."""
+    node = kv
+    name = op_name(node)
+    if name == "repeat_interleave" and _single_user(node):
+        rep = arg(node, 1, "repeats")
+        dim = arg(node, 2, "dim")
+        if isinstance(rep, int) and dim in (1, -3):
+            return node.args[0], [node]
+        return kv, []
+    if name in ("reshape", "view") and _single_user(node):
+        exp = node.args[0]
+        if isinstance(exp, fx.Node) and op_name(exp) == "expand" and _single_user(exp):
+            ins = exp.args[0]
+            if isinstance(ins, fx.Node) and _single_user(ins):
+                src_shape = shape(ins)
+                exp_shape = shape(exp)
+                out_shape = shape(node)
+                inserted = False
+                if op_name(ins) == "unsqueeze" and arg(ins, 1, "dim") in (2, -3):
+                    inserted = True
+                elif is_getitem(ins):
+                    idx = ins.args[1]
+                    inserted = (
+                        isinstance(idx, tuple)
+                        and len(idx) >= 3
+                        and idx[2] is None
+                        and all(isinstance(i, slice) and i == slice(None) for i in idx[:2])
+                    )
+                if (
+                    inserted
+                    and len(src_shape) == 5
+                    and src_shape[2] == 1
+                    and exp_shape[:2] == src_shape[:2]
+                    and exp_shape[3:] == src_shape[3:]
+                    and len(out_shape) == 4
+                    and out_shape[1] == exp_shape[1] * exp_shape[2] == heads_target
+                ):
+                    return ins.args[0], [node, exp, ins]
+    return kv, []
+
+
+def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[fx.Node]]:
+    """The single parameter ``linear`` that ``start`` is computed from (not looking past it)."""
+    found: list[fx.Node] = []
+    seen = {start}
+    queue = deque([start])
+    while queue:
+        n = queue.popleft()
+        if _param_linear(n, params):
+            found.append(n)
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            continue
+        for i in tensor_inputs(n):
+            if i not in seen:
+                seen.add(i)
+                queue.append(i)
+    if len(found) != 1:
+        raise _NoMatch(
+            f"{what} is computed from {len(found)} parameter projections (expected exactly one)"
+        )
+    return found[0], []
+
+
+def _forward_reach(src: fx.Node, limit: set[fx.Node]) -> set[fx.Node]:
+    seen = {src}
+    queue = deque([src])
+    while queue:
+        n = queue.popleft()
+        for u in n.users:
+            if u in limit and u not in seen:
+                seen.add(u)
+                queue.append(u)
+    return seen
+
+
+def _backward_reach(dst: fx.Node) -> set[fx.Node]:
+    seen = {dst}
+    queue = deque([dst])
+    while queue:
+        n = queue.popleft()
+        for i in tensor_inputs(n):
+            if i not in seen:
+                seen.add(i)
+                queue.append(i)
+    return seen
+
+
+def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
+    """Which rows of ``linear`` reach ``target``: all of them, or a last-dim slice of a fused
+    projection (``qkv[..., a:b]``, ``qkv.narrow(-1, a, n)``, or an item of split/chunk)."""
+    w = arg(linear, 1, "weight")
+    b = arg(linear, 2, "bias")
+    out_features = shape(w)[0]
+    on_path = _backward_reach(target)
+    users = [u for u in linear.users if u in on_path]
+    if len(users) != 1:
+        return Projection(linear, w, b, 0, out_features, linear)
+    u = users[0]
+    ndim = len(shape(linear))
+    if is_getitem(u) and isinstance(u.args[1], tuple):
+        idx = u.args[1]
+        last = idx[-1] if idx and idx[-1] is not Ellipsis else None
+        leading = idx[:-1]
+        lead_ok = all(i is Ellipsis or i == slice(None) for i in leading) and (
+            Ellipsis in leading or len(idx) == ndim
+        )
+        if isinstance(last, slice) and lead_ok and last.step in (None, 1):
+            start = last.start or 0
+            stop = out_features if last.stop is None else min(last.stop, out_features)
+            if start < 0 or stop < 0:
+                raise _NoMatch("negative slice of a fused projection")
+            return Projection(linear, w, b, start, stop, u)
+    if op_name(u) == "narrow" and arg(u, 1, "dim") in (-1, ndim - 1):
+        start, length = arg(u, 2, "start"), arg(u, 3, "length")
+        return Projection(linear, w, b, start, start + length, u)
+    if op_name(u) in ("split", "chunk", "split_with_sizes") and arg(u, 2, "dim", 0) in (
+        -1,
+        ndim - 1,
+    ):
+        items = [g for g in u.users if is_getitem(g) and g in on_path]
+        if len(items) == 1:
+            i = items[0].args[1]
+            sizes = [shape_of_item for shape_of_item in _split_sizes(u, out_features)]
+            start = sum(sizes[:i])
+            return Projection(linear, w, b, start, start + sizes[i], items[0])
+    return Projection(linear, w, b, 0, out_features, linear)
+
+
+def _split_sizes(node: fx.Node, total: int) -> list[int]:
+    name = op_name(node)
+    a = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size_or_sections")
+    if name == "chunk":
+        n = a if a is not None else node.kwargs.get("chunks")
+        step = -(-total // n)
+        return [min(step, total - i * step) for i in range(n) if total - i * step > 0]
+    if isinstance(a, int):
+        return [min(a, total - i) for i in range(0, total, a)]
+    return list(a)
+
+
+def _o_projection(sdpa: fx.Node, params) -> fx.Node:
+    node = sdpa
+    for _ in range(16):
+        users = list(node.users)
+        if len(users) != 1:
+            raise _NoMatch(
+                f"the attention output '{node.name}' has {len(users)} users before reaching the "
+                "output projection"
+            )
+        u = users[0]
+        if _param_linear(u, params):
+            if u.args[0] is not node:
+                raise _NoMatch("the attention output feeds the output projection's weight")
+            return u
+        if op_name(u) not in (
+            "transpose",
+            "permute",
+            "reshape",
+            "view",
+            "contiguous",
+            "flatten",
+            "to",
+            "type_as",
+            "clone",
+        ):
+            raise _NoMatch(
+                f"the attention output goes through '{op_name(u)}' before the output projection"
+            )
+        node = u
+    raise _NoMatch("no output projection found after the attention")
+
+
+def match_attention(
+    gm: fx.GraphModule, info: GraphInfo, world: int
+) -> tuple[list[AttentionMatch], list[Skip]]:
+    params = info.params
+    matches: list[AttentionMatch] = []
+    skips: list[Skip] = []
+    for node in gm.graph.nodes:
+        if op_name(node) != "sdpa":
+            continue
+        a = sdpa_args(node)
+        module = _guess_module(node, a, params)
+        try:
+            matches.append(_match_one(node, a, params, module, world))
+        except _NoMatch as e:
+            skips.append(Skip("attention", module, str(e)))
+    return matches, skips
+
+
+def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
+    try:
+        lin, _ = _find_projection(a["query"], params, "q")
+        return module_fqn_of_param(params[arg(lin, 1, "weight")].fqn)
+    except _NoMatch:
+        from .graph_utils import node_module_fqn
+
+        return node_module_fqn(sdpa) or sdpa.name
+
+
+def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> AttentionMatch:
+    q, k, v = a["query"], a["key"], a["value"]
+    if not all(isinstance(t, fx.Node) for t in (q, k, v)):
+        raise _NoMatch("q, k or v is not a tensor computed in the graph")
+    qs, ks, vs = shape(q), shape(k), shape(v)
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        raise _NoMatch(f"expected 4-D [batch, heads, seq, head_dim] inputs, got q {list(qs)}")
+    if qs[2] != ks[2]:
+        raise _NoMatch(
+            f"query length {qs[2]} != key length {ks[2]} (cross-attention or a KV cache)"
+        )
+    if a["dropout_p"] not in (0, 0.0):
+        raise _NoMatch(f"attention dropout p={a['dropout_p']} (only p=0 runs the TSP schedule)")
+    mask = a["attn_mask"]
+    if a["is_causal"] and mask is not None:
+        raise _NoMatch("both is_causal and attn_mask are set")
+    hq, d = qs[1], qs[3]
+    if vs[3] != d:
+        raise _NoMatch("value head_dim differs from query head_dim")
+    k_root, k_rep = _head_repeat_chain(k, hq)
+    v_root, v_rep = _head_repeat_chain(v, hq)
+    hkv = shape(k_root)[1]
+    if shape(v_root)[1] != hkv:
+        raise _NoMatch("keys and values have different head counts")
+    if hq % hkv:
+        raise _NoMatch(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    if hkv != ks[1] and not (k_rep and v_rep):
+        raise _NoMatch("unrecognised key/value head repetition")
+    if ks[1] != hq and not a["enable_gqa"] and not k_rep:
+        raise _NoMatch("key heads differ from query heads without enable_gqa")
+    if hq % world:
+        raise _NoMatch(f"{hq} query heads are not divisible by D={world}")
+    if hkv % world and world % hkv:
+        raise _NoMatch(f"{hkv} key/value heads neither divide nor are divisible by D={world}")
+
+    q_lin, _ = _find_projection(q, params, "q")
+    k_lin, _ = _find_projection(k_root, params, "k")
+    v_lin, _ = _find_projection(v_root, params, "v")
+    xs = {lin.args[0] for lin in (q_lin, k_lin, v_lin)}
+    if len(xs) != 1:
+        raise _NoMatch("the q, k and v projections read different inputs")
+    x = next(iter(xs))
+    qp = _projection_rows(q_lin, q, params)
+    kp = _projection_rows(k_lin, k_root, params)
+    vp = _projection_rows(v_lin, v_root, params)
+    # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
+    by_key: dict[tuple, Projection] = {}
+    for p, heads in ((qp, hq), (kp, hkv), (vp, hkv)):
+        p = by_key.setdefault(p.key(), p)
+        if p.n_heads and p.n_heads != heads:
+            raise _NoMatch("a fused projection serves q and k/v with different head counts")
+        p.n_heads = heads
+        if p.rows % heads:
+            raise _NoMatch(f"projection rows {p.rows} are not a multiple of {heads} heads")
+    qp, kp, vp = by_key[qp.key()], by_key[kp.key()], by_key[vp.key()]
+
+    o_lin = _o_projection(sdpa, params)
+    o_w = arg(o_lin, 1, "weight")
+    if shape(o_w)[1] != hq * d:
+        raise _NoMatch(f"output projection input size {shape(o_w)[1]} != heads*head_dim {hq * d}")
+    if world > 1 and any(params[p.weight].example is None for p in (qp, kp, vp)):
+        raise _NoMatch("projection weight is not available")
+    return AttentionMatch(
+        module=module,
+        sdpa=sdpa,
+        x=x,
+        q=qp,
+        k=kp,
+        v=vp,
+        o_linear=o_lin,
+        o_weight=o_w,
+        o_bias=arg(o_lin, 2, "bias"),
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        seq_len=qs[2],
+        k_root=k_root,
+        v_root=v_root,
+        repeat_nodes=k_rep + v_rep,
+        is_causal=bool(a["is_causal"]),
+        mask=mask,
+        scale=a["scale"],
+    )
+
+
+__all__ = [
+    "AttentionMatch",
+    "Projection",
+    "Skip",
+    "match_attention",
+    "sdpa_args",
+    "_forward_reach",
+]

@@ -1,0 +1,598 @@
+"""Pass 4a — rewrite matched attention into the TSP broadcast schedule.
+
+For r = 0..D-1 (one step per head group):
+
+1. rank r broadcasts its packed shard [W_Q^r; W_K^r; W_V^r; W_O^r] (and biases): one transfer;
+2. every rank runs the original head-local region — projections, reshapes, RoPE, q/k norms —
+   for head group r only, on its local tokens (the region is cloned with its head counts cut to
+   the group's);
+3. the group's keys and values are all-gathered over the sequence (zigzag, back in true order);
+4. local queries attend causally to them (``tspc::zigzag_causal_attention``, or SDPA with the
+   mask's local rows); grouped-query repetition is done by the kernel, so only KV heads move;
+5. the group's output projection gives a partial result, accumulated locally — no all-reduce.
+
+Only one head group's gathered K/V is alive at a time. At D = 1 the same clone runs once with
+the original weights and no communication.
+
+The head-local check is a propagation like the sequence one (``passes/layout.py``): every value
+in the region must carry the head factor whole in one dimension, and nothing may mix heads. A
+region that fails the check is left as the sequence pass made it (SP: replicated weights) and
+reported as skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from tspc.runtime.group import TSPGroup
+from tspc.runtime.packing import pack, unpack
+from tspc.runtime.shard_store import STORE, ShardSpec
+
+from tspc.ops.zigzag_attention import default_scale
+
+from .analyse import GraphInfo
+from .graph_utils import arg, is_getitem, op_name, shape, tensor_inputs, tensor_val
+from .layout import (
+    Sharded,
+    map_broadcast,
+    map_getitem,
+    map_permute,
+    map_reduce,
+    map_transpose,
+    map_view,
+    rewrite_sizes,
+)
+from .match_attention import AttentionMatch, Projection, Skip
+from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, _sdpa_zigzag_causal, sdpa_local_queries
+
+_VIEWS = ("view", "reshape")
+_PERMUTES = ("transpose", "permute", "t", "swapaxes")
+_KEEP = ("contiguous", "clone", "to", "float", "half", "bfloat16", "type_as", "detach")
+
+
+class _NotHeadLocal(Exception):
+    pass
+
+
+@dataclass
+class AttentionRewrite:
+    module: str
+    steps: int
+    broadcasts: int
+    kv_gathers: int
+    local_heads: int
+    local_kv_heads: int
+    kernel: str
+    shard_numel: int
+    predicted_recv_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _local_heads(n: int, world: int) -> int:
+    return n // world if n % world == 0 else 1
+
+
+def _head_rows(p: Projection, rank: int, world: int) -> tuple[int, int]:
+    """Rows of projection ``p`` that head group ``rank`` uses."""
+    n_l = _local_heads(p.n_heads, world)
+    if p.n_heads % world == 0:
+        first = rank * n_l
+    else:  # fewer heads than ranks: each group uses one head, shared by D / n groups
+        first = rank * p.n_heads // world
+    return p.row_start + first * p.unit, p.row_start + (first + n_l) * p.unit
+
+
+class _HeadPlan:
+    """Head placement of every value in the region, and the argument rewrites that cut it."""
+
+    def __init__(self, match: AttentionMatch, world: int, attention_node: fx.Node):
+        self.m = match
+        self.world = world
+        self.layout: dict[fx.Node, Sharded] = {}
+        self.sizes: dict[fx.Node, tuple] = {}  # node -> (arg index or kw name, new sizes)
+        self.outside_slices: dict[tuple[fx.Node, fx.Node], tuple[int, Sharded]] = {}
+        self.attention = attention_node
+
+    def sharded(self, n_heads: int, unit: int, dim: int) -> Sharded:
+        return Sharded(dim, n_heads, _local_heads(n_heads, self.world), 1, unit)
+
+    def plan_pre(self, region: list[fx.Node], sources: dict[fx.Node, Projection]) -> None:
+        for node in region:
+            if node in sources:
+                p = sources[node]
+                self.layout[node] = self.sharded(p.n_heads, p.unit, len(shape(node)) - 1)
+                continue
+            self.layout[node] = self._propagate(node, region)
+
+    def plan_post(self, chain: list[fx.Node]) -> None:
+        m = self.m
+        q_dim = len(shape(self.attention)) - 3
+        self.layout[self.attention] = self.sharded(m.q_heads, 1, q_dim)
+        for node in chain:
+            self.layout[node] = self._propagate(node, chain)
+
+    def _propagate(self, node: fx.Node, region) -> Sharded:
+        name = op_name(node) or ""
+        ins = [i for i in tensor_inputs(node) if i in self.layout]
+        if not ins:
+            raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
+        x = node.args[0] if node.args else None
+        if name in _VIEWS or name in ("flatten", "squeeze", "unsqueeze", "unflatten"):
+            sh = self.layout[x]
+            out = map_view(shape(x), shape(node), sh)
+            if out is None:
+                raise _NotHeadLocal(f"'{node.name}' ({name}) splits a head")
+            if name in _VIEWS:
+                self._plan_sizes(node, out)
+            elif name == "unflatten":
+                dim = arg(node, 1, "dim") % len(shape(x))
+                sizes = list(arg(node, 2, "sizes"))
+                if dim <= out.dim < dim + len(sizes):
+                    g = shape(node)[out.dim]
+                    new = rewrite_sizes(sizes, out.dim - dim, g, out.local_size(g))
+                    if new is None:
+                        raise _NotHeadLocal(f"'{node.name}' has an unexpected size argument")
+                    self.sizes[node] = ("unflatten", tuple(new))
+            return out
+        if name in _PERMUTES:
+            sh = self.layout[x]
+            n = len(shape(x))
+            if name == "permute":
+                dims = node.args[1] if isinstance(node.args[1], (tuple, list)) else node.args[1:]
+                return map_permute(list(dims), sh)
+            if name == "t":
+                return map_transpose(n, 0, 1, sh) if n == 2 else sh
+            return map_transpose(n, arg(node, 1, "dim0"), arg(node, 2, "dim1"), sh)
+        if name == "expand":
+            sh = self.layout[x]
+            out = map_broadcast(len(shape(x)), len(shape(node)), sh)
+            self._plan_sizes(node, out)
+            return out
+        if is_getitem(node):
+            if not isinstance(node.args[1], (tuple, slice, int, type(None), type(Ellipsis))):
+                raise _NotHeadLocal(f"'{node.name}' indexes with a tensor")
+            out = map_getitem(shape(x), node.args[1], self.layout[x])
+            if out is None or out == "unknown":
+                raise _NotHeadLocal(f"'{node.name}' slices across heads")
+            return out
+        if name in ("mean", "sum", "amax", "amin", "var", "std", "norm", "softmax", "log_softmax"):
+            sh = self.layout[x]
+            ndim = len(shape(x))
+            dims = arg(node, 1, "dim")
+            if name in ("softmax", "log_softmax"):
+                if dims % ndim == sh.dim:
+                    raise _NotHeadLocal(f"'{node.name}' normalises across heads")
+                return sh
+            keep = len(shape(node)) == ndim
+            out = map_reduce(ndim, dims, keep, sh)
+            if out is None:
+                raise _NotHeadLocal(f"'{node.name}' ({name}) reduces across heads")
+            return out
+        if name == "cat":
+            tensors = list(arg(node, 0, "tensors"))
+            dim = arg(node, 1, "dim", 0) % len(shape(node))
+            lays = {
+                self.layout.get(t)
+                for t in tensors
+                if tensor_val(t) is not None and tensor_val(t).numel()
+            }
+            lays.discard(None)
+            if len(lays) != 1:
+                raise _NotHeadLocal(
+                    f"'{node.name}' concatenates values with different head layouts"
+                )
+            sh = next(iter(lays))
+            if sh.dim == dim:
+                raise _NotHeadLocal(f"'{node.name}' concatenates along heads")
+            for t in tensors:
+                tv = tensor_val(t)
+                if t not in self.layout and tv is not None and tv.numel():
+                    raise _NotHeadLocal(f"'{node.name}' mixes in a value from outside the region")
+            return sh
+        if name == "linear":
+            sh = self.layout[x]
+            if sh.dim == len(shape(x)) - 1:
+                raise _NotHeadLocal(f"'{node.name}' projects across heads")
+            for w in tensor_inputs(node)[1:]:
+                if w in self.layout:
+                    raise _NotHeadLocal(f"'{node.name}' uses a per-head value as a weight")
+            return sh
+        if name in ELEMENTWISE or name in _KEEP:
+            out_ndim = len(shape(node))
+            parts = tensor_inputs(node)
+            if name in FIRST_ARG_ONLY:
+                parts = parts[:1]
+            target = None
+            for p in parts:
+                if p in self.layout:
+                    mapped = map_broadcast(len(shape(p)), out_ndim, self.layout[p])
+                    if target is not None and mapped != target:
+                        raise _NotHeadLocal(f"'{node.name}' combines differently split heads")
+                    target = mapped
+            for p in parts:
+                if p in self.layout:
+                    continue
+                ps = shape(p)
+                a = target.dim - (out_ndim - len(ps))
+                if a >= 0 and ps[a] != 1:
+                    if target.inner != 1 or ps[a] != shape(node)[target.dim]:
+                        raise _NotHeadLocal(f"'{node.name}' broadcasts a value across heads")
+                    self.outside_slices[(node, p)] = (a, target)
+            return target
+        raise _NotHeadLocal(f"'{node.name}' ({name or node.op}) is not known to be head-local")
+
+    def _plan_sizes(self, node: fx.Node, out: Sharded) -> None:
+        g = shape(node)[out.dim]
+        if len(node.args) >= 2 and isinstance(node.args[1], (tuple, list, torch.Size)):
+            sizes, where = list(node.args[1]), "tuple"
+        elif len(node.args) >= 2:
+            sizes, where = list(node.args[1:]), "varargs"
+        else:
+            key = "size" if "size" in node.kwargs else "shape"
+            sizes, where = list(node.kwargs.get(key, ())), key
+        new = rewrite_sizes(sizes, out.dim, g, out.local_size(g))
+        if new is None:
+            raise _NotHeadLocal(f"'{node.name}' has a size argument that does not match its heads")
+        self.sizes[node] = (where, tuple(new))
+
+    def apply_sizes(self, orig: fx.Node, new: fx.Node) -> None:
+        if orig not in self.sizes:
+            return
+        where, sizes = self.sizes[orig]
+        if where == "tuple":
+            new.args = (new.args[0], sizes, *new.args[2:])
+        elif where == "varargs":
+            new.args = (new.args[0], *sizes)
+        elif where == "unflatten":
+            args = list(new.args)
+            if len(args) > 2:
+                args[2] = sizes
+                new.args = tuple(args)
+            else:
+                new.kwargs = {**new.kwargs, "sizes": sizes}
+        else:
+            new.kwargs = {**new.kwargs, where: sizes}
+
+
+def _region(sources: list[fx.Node], sinks: list[fx.Node]) -> list[fx.Node]:
+    """Nodes on a path from a source to a sink, in graph order."""
+    fwd: set[fx.Node] = set()
+    stack = list(sources)
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.users)
+    bwd: set[fx.Node] = set()
+    stack = list(sinks)
+    while stack:
+        n = stack.pop()
+        if n in bwd or n not in fwd:
+            continue
+        bwd.add(n)
+        stack.extend(i for i in n.all_input_nodes)
+    nodes = fwd & bwd
+    order = {n: i for i, n in enumerate(sources[0].graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
+def _post_chain(attention: fx.Node, o_linear: fx.Node) -> list[fx.Node]:
+    chain = []
+    node = attention
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            raise _NotHeadLocal(f"'{node.name}' has {len(users)} users after the attention")
+        u = users[0]
+        if u is o_linear:
+            return chain
+        chain.append(u)
+        node = u
+
+
+def _find_gather(root: fx.Node) -> fx.Node | None:
+    for u in root.users:
+        if u.meta.get("tspc_role") in ("kv_gather", "seq_gather"):
+            return u
+        if u.op == "call_function" and u.target is torch.ops.tspc.all_gather_start.default:
+            for w in u.users:
+                if w.meta.get("tspc_role") in ("kv_gather", "seq_gather"):
+                    return w
+    return None
+
+
+def rewrite_attention(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    match: AttentionMatch,
+    group: TSPGroup,
+    shard_root: torch.nn.Module,
+) -> AttentionRewrite | Skip:
+    """Rewrite one matched attention in place. ``shard_root`` receives this rank's shards as
+    parameters (the graph reads them with ``get_attr``)."""
+    try:
+        return _rewrite(gm, info, match, group, shard_root)
+    except _NotHeadLocal as e:
+        return Skip("attention", match.module, f"not head-local: {e}")
+
+
+def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if n in region]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(i for i in n.all_input_nodes if i in region)
+    return seen
+
+
+def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> AttentionRewrite:
+    g = gm.graph
+    D, rank = group.size, group.rank
+    attention = m.sdpa
+    d = m.head_dim
+    projections = m.projections()
+    sources = {p.out: p for p in projections}
+    q_key = m.q.key()
+    # Fewer KV heads than ranks: D / Hkv consecutive head groups share one KV head. Its weights
+    # travel in the pack of the first rank of those groups (the "primary") only, and its K/V are
+    # computed and gathered once and reused by the following groups — so each weight has exactly
+    # one owner (its gradient is exact) and the K/V bytes stay 2*B*S*h_kv.
+    shared_kv = m.kv_heads % D != 0
+    span = D // m.kv_heads if shared_kv else 1
+
+    def kv_only(p: Projection) -> bool:
+        return p.key() != q_key
+
+    def primary(r: int) -> bool:
+        return r % span == 0
+
+    k_gather = _find_gather(m.k_root) if D > 1 else None
+    v_gather = _find_gather(m.v_root) if D > 1 else None
+    if D > 1 and (k_gather is None or v_gather is None):
+        raise _NotHeadLocal("keys/values are not gathered where expected (sequence pass)")
+
+    q_in = arg(attention, 0, "query")
+    region = _region(list(sources), [q_in, m.k_root, m.v_root])
+    region_only = set(region)
+    plan = _HeadPlan(m, D, attention)
+    plan.plan_pre(region, sources)
+    post = _post_chain(attention, m.o_linear)
+    plan.plan_post(post)
+    kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
+        [q_in], region_only
+    )
+
+    # Attention arguments as the sequence pass left them.
+    if attention.target is _sdpa_zigzag_causal:
+        kind, mask, scale = "zigzag_causal", None, attention.args[5]
+    elif attention.target is sdpa_local_queries:
+        kind, mask, scale = "sdpa_masked_rows", attention.args[3], attention.args[5]
+    else:
+        kind, mask, scale = "sdpa", arg(attention, 3, "attn_mask"), arg(attention, 6, "scale")
+    if scale is None:
+        scale = default_scale(d)
+
+    # ---- what each step's pack holds: (name, full parameter node, the slice of it)
+    def components(r: int) -> list[tuple[str, fx.Node, ShardSpec]]:
+        out = []
+        for i, p in enumerate(projections):
+            if shared_kv and kv_only(p) and not primary(r):
+                continue
+            a, b = _head_rows(p, r, D)
+            out.append((f"p{i}_w", p.weight, ShardSpec(0, a, b)))
+            if p.bias is not None:
+                out.append((f"p{i}_b", p.bias, ShardSpec(0, a, b)))
+        hq_l = m.q_heads // D
+        out.append(("o_w", m.o_weight, ShardSpec(1, r * hq_l * d, (r + 1) * hq_l * d)))
+        return out
+
+    def comp_shape(pnode: fx.Node, spec: ShardSpec) -> tuple[int, ...]:
+        s = list(shape(pnode))
+        s[spec.dim] = spec.stop - spec.start
+        return tuple(s)
+
+    step_comps = [components(r) for r in range(D)]
+    step_shapes = [[comp_shape(pn, sp) for _, pn, sp in c] for c in step_comps]
+    step_numel = [sum(math.prod(s) for s in shapes) for shapes in step_shapes]
+
+    params = info.by_node()
+    order = {n: i for i, n in enumerate(g.nodes)}
+    first_use = min(region + [m.o_linear], key=order.__getitem__)
+    pack_node = None
+    shard_numel = 0
+    if D > 1:
+        with g.inserting_before(first_use):
+            shard_nodes = []
+            for cname, pnode, spec in step_comps[rank]:
+                shard = STORE.shard(params[pnode].example, spec, rank, D)
+                attr = f"tsp_{m.module.replace('.', '_')}_{cname}"
+                shard_root.register_parameter(attr, shard)
+                shard_numel += shard.numel()
+                shard_nodes.append(g.get_attr(attr))
+            pack_node = g.call_function(pack, (shard_nodes,))
+
+    tag = m.module
+    n_kv_groups = m.kv_heads if shared_kv else D
+    elem = tensor_val(m.o_weight).element_size()
+    k_local = tensor_val(m.k_root)
+    kv_group_bytes = (
+        k_local.numel() // m.kv_heads * _local_heads(m.kv_heads, D) * (k_local.element_size())
+    )
+    ret = AttentionRewrite(
+        module=m.module,
+        steps=D,
+        broadcasts=D if D > 1 else 0,
+        kv_gathers=2 * n_kv_groups if D > 1 else 0,
+        local_heads=m.q_heads // D,
+        local_kv_heads=_local_heads(m.kv_heads, D),
+        kernel=kind,
+        shard_numel=shard_numel,
+        predicted_recv_bytes=(
+            sum(n for r, n in enumerate(step_numel) if r != rank) * elem
+            + 2 * n_kv_groups * (D - 1) * kv_group_bytes
+        )
+        if D > 1
+        else 0,
+    )
+    region_set = region_only | set(post)
+    old_gathers = [n for n in (k_gather, v_gather) if n is not None]
+    ignore_users = set(old_gathers) | {n.args[0] for n in old_gathers} | set(m.repeat_nodes)
+    ignore_users |= {attention, m.o_linear}
+    escapes: dict[fx.Node, list[fx.Node]] = {
+        n: [] for n in region if any(u not in region_set and u not in ignore_users for u in n.users)
+    }
+
+    acc = None
+    env_primary: dict[fx.Node, fx.Node] = {}
+    kv_primary: tuple[fx.Node, fx.Node] | None = None
+    gqa = m.kv_heads != m.q_heads
+    with g.inserting_before(m.o_linear):
+        for r in range(D):
+            env: dict[fx.Node, fx.Node] = {}
+            ws = _step_weights(
+                g, r, D, group, tag, pack_node, step_comps[r], step_shapes[r], step_numel[r]
+            )
+            reuse = shared_kv and not primary(r)
+            for node in region:
+                if reuse and node in kv_nodes:
+                    env[node] = env_primary[node]
+                elif node in sources:
+                    p = sources[node]
+                    i = projections.index(p)
+                    env[node] = g.call_function(
+                        F.linear, (p.linear.args[0], ws[f"p{i}_w"], ws.get(f"p{i}_b"))
+                    )
+                else:
+                    env[node] = _clone(g, node, env, plan, r, D)
+            q_r = env[q_in]
+            if reuse:
+                k_full, v_full = kv_primary
+            elif D > 1:
+                k_full, v_full = (
+                    _async_gather(g, env[root], gather, tag, r)
+                    for root, gather in ((m.k_root, k_gather), (m.v_root, v_gather))
+                )
+            else:
+                k_full, v_full = env[m.k_root], env[m.v_root]
+            if primary(r):
+                env_primary, kv_primary = env, (k_full, v_full)
+            if kind == "zigzag_causal":
+                att = g.call_function(
+                    _sdpa_zigzag_causal, (q_r, k_full, v_full, rank, D, float(scale), gqa)
+                )
+            elif kind == "sdpa_masked_rows":
+                att = g.call_function(
+                    sdpa_local_queries, (q_r, k_full, v_full, mask, 0.0, scale, gqa)
+                )
+            else:
+                att = g.call_function(
+                    F.scaled_dot_product_attention,
+                    (q_r, k_full, v_full),
+                    {
+                        "attn_mask": mask,
+                        "is_causal": m.is_causal,
+                        "scale": scale,
+                        "enable_gqa": gqa,
+                    },
+                )
+            att.meta["tspc_role"] = "attention"
+            att.meta["tspc_step"] = r
+            env[attention] = att
+            for node in post:
+                env[node] = _clone(g, node, env, plan, r, D)
+            part = g.call_function(F.linear, (env[post[-1]] if post else att, ws["o_w"]))
+            part.meta["tspc_role"] = "partial_output"
+            acc = part if acc is None else g.call_function(torch.add, (acc, part))
+            for n in escapes:
+                escapes[n].append(env[n])
+        o_bias = arg(m.o_linear, 2, "bias")
+        out = g.call_function(torch.add, (acc, o_bias)) if o_bias is not None else acc
+        for n, per_step in escapes.items():
+            # A value the rest of the graph also uses (a KV cache output, say): the groups'
+            # parts side by side along the head dimension, each shared KV head once.
+            sh = plan.layout[n]
+            parts = per_step[::span] if (shared_kv and n in kv_nodes) else per_step
+            cat = parts[0] if len(parts) == 1 else g.call_function(torch.cat, (parts, sh.dim))
+            for u in list(n.users):
+                if u not in region_set and u not in ignore_users:
+                    u.replace_input_with(n, cat)
+    m.o_linear.replace_all_uses_with(out)
+    # Remove what the schedule replaced. The old gathers are side-effectful (dead-code
+    # elimination keeps them), so they are erased explicitly, users first.
+    replaced = region_set | set(m.repeat_nodes) | {m.o_linear, attention}
+    replaced |= set(old_gathers) | {n.args[0] for n in old_gathers}
+    for n in reversed(list(g.nodes)):
+        if n in replaced and not n.users:
+            g.erase_node(n)
+    g.eliminate_dead_code()
+    gm.recompile()
+    return ret
+
+
+def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[str, fx.Node]:
+    """Nodes for head group r's weights: unpacked from rank r's broadcast, or (D = 1) the
+    original parameters, sliced where a fused projection is only partly used."""
+    if D > 1:
+        # Every rank, the source included, runs the same nodes and uses the broadcast result:
+        # graphs must not differ in structure between ranks, or the order in which collectives
+        # are issued could differ and deadlock.
+        h = g.call_function(
+            torch.ops.tspc.broadcast_start.default, (pack_node, r, numel, group.name, D, tag)
+        )
+        weights = g.call_function(
+            torch.ops.tspc.broadcast_wait.default, (h, pack_node, r, numel, group.name, D, tag)
+        )
+        weights.meta["tspc_role"] = "weight_broadcast"
+        weights.meta["tspc_step"] = r
+        unpacked = g.call_function(unpack, (weights, shapes))
+        return {
+            name: g.call_function(operator.getitem, (unpacked, i))
+            for i, (name, _, _) in enumerate(comps)
+        }
+    out = {}
+    for name, pnode, spec in comps:
+        if spec.start == 0 and spec.stop == shape(pnode)[spec.dim]:
+            out[name] = pnode
+        else:
+            out[name] = g.call_function(
+                torch.narrow, (pnode, spec.dim, spec.start, spec.stop - spec.start)
+            )
+    return out
+
+
+def _clone(g, node: fx.Node, env: dict, plan: _HeadPlan, r: int, D: int) -> fx.Node:
+    """Copy a region node for head group r: inputs from this group's copies, head counts in
+    its size arguments cut to the group's, outside per-head operands narrowed to the group."""
+    new = g.node_copy(node, lambda a: env.get(a, a))
+    plan.apply_sizes(node, new)
+    for (owner, outside), (dim, sh) in plan.outside_slices.items():
+        if owner is node:
+            start = r * sh.n_local if sh.n % D == 0 else r * sh.n // D
+            sl = g.call_function(torch.narrow, (outside, dim, start, sh.n_local))
+            new.args = fx.node.map_arg(new.args, lambda a, o=outside, s=sl: s if a is o else a)
+            new.kwargs = fx.node.map_arg(new.kwargs, lambda a, o=outside, s=sl: s if a is o else a)
+    return new
+
+
+def _async_gather(g, local: fx.Node, template: fx.Node, tag: str, r: int) -> fx.Node:
+    """All-gather one head group's keys or values, as the sequence pass gathered the whole."""
+    _, _x, dim, outer, inner, _rg, gname, world, _tag = template.args
+    start = g.call_function(
+        torch.ops.tspc.all_gather_start.default, (local, dim, outer, inner, gname, world, tag)
+    )
+    wait = g.call_function(
+        torch.ops.tspc.all_gather_wait.default,
+        (start, local, dim, outer, inner, True, gname, world, tag),
+    )
+    wait.meta["tspc_role"] = "kv_gather"
+    wait.meta["tspc_step"] = r
+    return wait

@@ -1,0 +1,104 @@
+"""Pass 4b — rewrite matched gated MLPs into the ring schedule (``runtime/ring_mlp.py``).
+
+The whole ``down(act(gate(x)) * up(x))`` becomes one ``ring_mlp`` call on this rank's shard of
+the intermediate dimension (rows of gate/up, columns of down). Its forward and backward are
+fixed algorithms with explicit hop nodes, which aot_autograd traces into the forward and
+backward graphs. The down projection's bias, if any, is added once after the ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from tspc.runtime.group import TSPGroup
+from tspc.runtime.ring_mlp import ring_mlp
+from tspc.runtime.shard_store import STORE, ShardSpec
+
+from .analyse import GraphInfo
+from .graph_utils import shape
+from .match_mlp import MlpMatch
+
+
+@dataclass
+class MlpRewrite:
+    module: str
+    steps: int
+    hops: int
+    activation: str
+    shard_numel: int
+
+
+def rewrite_mlp(
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    m: MlpMatch,
+    group: TSPGroup,
+    shard_root: torch.nn.Module,
+) -> MlpRewrite:
+    g = gm.graph
+    D, rank = group.size, group.rank
+    params = info.by_node()
+    f_local = m.intermediate // D
+    specs = {
+        "gate_w": (
+            m.gate.weight,
+            ShardSpec(
+                0, m.gate.row_start + rank * f_local, m.gate.row_start + (rank + 1) * f_local
+            ),
+        ),
+        "up_w": (
+            m.up.weight,
+            ShardSpec(0, m.up.row_start + rank * f_local, m.up.row_start + (rank + 1) * f_local),
+        ),
+        "down_w": (m.down_weight, ShardSpec(1, rank * f_local, (rank + 1) * f_local)),
+    }
+    if (m.gate.bias is None) != (m.up.bias is None):
+        raise ValueError(f"{m.module}: gate and up must both have biases or neither")
+    if m.gate.bias is not None:
+        specs["gate_b"] = (
+            m.gate.bias,
+            ShardSpec(0, specs["gate_w"][1].start, specs["gate_w"][1].stop),
+        )
+        specs["up_b"] = (m.up.bias, ShardSpec(0, specs["up_w"][1].start, specs["up_w"][1].stop))
+    nodes: dict[str, fx.Node | None] = {"gate_b": None, "up_b": None}
+    numel = 0
+    with g.inserting_before(m.down):
+        for name, (pnode, spec) in specs.items():
+            if D > 1:
+                shard = STORE.shard(params[pnode].example, spec, rank, D)
+                attr = f"tsp_{m.module.replace('.', '_')}_{name}"
+                shard_root.register_parameter(attr, shard)
+                numel += shard.numel()
+                nodes[name] = g.get_attr(attr)
+            elif spec.start == 0 and spec.stop == shape(pnode)[spec.dim]:
+                nodes[name] = pnode
+            else:
+                nodes[name] = g.call_function(
+                    torch.narrow, (pnode, spec.dim, spec.start, spec.stop - spec.start)
+                )
+        y = g.call_function(
+            ring_mlp,
+            (
+                m.x,
+                nodes["gate_w"],
+                nodes["up_w"],
+                nodes["down_w"],
+                nodes["gate_b"],
+                nodes["up_b"],
+                m.act,
+                rank,
+                D,
+                group.name,
+                m.module,
+            ),
+        )
+        y.meta["tspc_role"] = "mlp_ring"
+        down_bias = m.down.args[2] if len(m.down.args) > 2 else m.down.kwargs.get("bias")
+        out = g.call_function(torch.add, (y, down_bias)) if down_bias is not None else y
+    m.down.replace_all_uses_with(out)
+    g.erase_node(m.down)
+    g.eliminate_dead_code()
+    gm.recompile()
+    return MlpRewrite(m.module, steps=D, hops=D - 1, activation=m.act, shard_numel=numel)

@@ -1,0 +1,52 @@
+"""Identity-forward functions that fix up gradients at the edges of the sharded program.
+
+The rewritten graph follows one convention for gradients (``passes/shard_sequence.py``): the
+gradient a rank holds for a *replicated* value is a partial sum, and the true gradient is the sum
+over ranks. Two places need a conversion:
+
+* ``sync_replicated_grad`` sits right after a replicated input that requires grad (parameters
+  that are not sharded: norms, embeddings, unmatched layers; replicated user inputs). Its backward
+  all-reduces the partial gradient, so ``.grad`` is the full, single-device gradient on every rank.
+* ``replicated_output`` sits right before a replicated graph output. The user's code after the
+  graph runs identically on every rank and hands each rank the *same*, complete gradient; its
+  backward turns that into a partial (rank 0 keeps it, the others contribute zero).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import all_reduce
+
+
+class _SyncReplicatedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, world, tag):
+        ctx.args = (group, world, tag)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, world, tag = ctx.args
+        return all_reduce(grad, "sum", group, world, tag), None, None, None
+
+
+def sync_replicated_grad(x: torch.Tensor, group: str, world: int, tag: str) -> torch.Tensor:
+    return _SyncReplicatedGrad.apply(x, group, world, tag)
+
+
+class _ReplicatedOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rank):
+        ctx.rank = rank
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A multiply on every rank (not a branch) keeps the backward graph the same shape on
+        # all ranks, so their collectives are issued in the same order.
+        return grad * (1.0 if ctx.rank == 0 else 0.0), None
+
+
+def replicated_output(x: torch.Tensor, rank: int) -> torch.Tensor:
+    return _ReplicatedOutput.apply(x, rank)

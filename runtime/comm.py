@@ -1,0 +1,475 @@
+"""The collectives the TSP schedules use, as ``torch.library`` custom ops with a separate wait.
+
+Each collective is two graph nodes: ``tspc::<kind>_start(...) -> handle`` issues the transfer
+asynchronously and returns a small int64 handle; ``tspc::<kind>_wait(handle, x, ...) -> result``
+blocks until it is done and returns the result. Between the two, a scheduler can place compute,
+which is how communication hides behind GEMMs. Both nodes are marked side-effectful so that no
+dead-code or common-subexpression pass removes or merges a collective.
+
+Why a handle instead of returning the receive buffer from ``start``: the buffer is being written
+by the network until the wait, so no compiled code may read it or reuse its memory before then.
+Returning it only from ``wait`` makes that a data dependency. The wait also takes the start's
+input ``x``, so ``x`` stays alive (and unmodified by buffer reuse) while the transfer reads it.
+
+The ops take the group *name*, the group size ``world`` (shapes depend on it, and it must be part
+of a compiled graph's cache key rather than read from torch.distributed at trace time) and a
+``tag`` naming the layer, under which the transfer is counted (``runtime.counters``).
+
+Autograd: the adjoint of a weight broadcast is a reduce of the gradient to the source; the
+adjoint of the zigzag all-gather is a reduce-scatter back to the token owners (or, for the
+output gather whose consumers hold identical gradients on every rank, just taking this rank's
+slice); the adjoint of a sum all-reduce is an all-reduce.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .counters import COUNTER
+from .group import process_group
+from .zigzag import zigzag_slice, zigzag_stack_parts, zigzag_unshard
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not finish in time: a peer died, stalled, or ranks diverged."""
+
+
+def _default_timeout() -> float | None:
+    v = os.environ.get("TSPC_COMM_TIMEOUT")
+    return float(v) if v else None
+
+
+@dataclass
+class _Settings:
+    # Seconds a wait may block before raising CollectiveTimeout (None: the group's own timeout).
+    timeout_s: float | None = None
+
+
+SETTINGS = _Settings(timeout_s=_default_timeout())
+
+
+@dataclass
+class _Pending:
+    works: list
+    finish: Callable[[], torch.Tensor]
+    kind: str
+    tag: str
+    keepalive: tuple
+
+
+_PENDING: dict[int, _Pending] = {}
+_IDS = itertools.count(1)
+
+
+def _register(works, finish, kind: str, tag: str, keepalive: tuple) -> torch.Tensor:
+    hid = next(_IDS)
+    _PENDING[hid] = _Pending(works, finish, kind, tag, keepalive)
+    return torch.tensor(hid, dtype=torch.int64)
+
+
+def _complete(handle: torch.Tensor) -> torch.Tensor:
+    hid = int(handle.item())
+    pending = _PENDING.pop(hid, None)
+    if pending is None:
+        raise RuntimeError(
+            f"tspc: wait on unknown collective handle {hid} (waited twice, or the start was "
+            "removed from the graph); this is a bug in a graph pass"
+        )
+    timeout = SETTINGS.timeout_s
+    for w in pending.works:
+        try:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as e:
+            where = f"{pending.kind} for '{pending.tag}'"
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveTimeout(
+                f"tspc: rank {rank}: {where} failed or did not complete"
+                + (f" within {timeout:g}s" if timeout is not None else "")
+                + f": {e}. A peer may have died or stalled, or the ranks may be running "
+                "different graphs (set TSPC_COMM_TIMEOUT or options['comm_timeout'] to fail "
+                "sooner)."
+            ) from e
+    return pending.finish()
+
+
+def _numel_bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _handle_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+def _side_effectful(*ops) -> None:
+    for op in ops:
+        torch.fx.node.has_side_effect(op.default)
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+@torch.library.custom_op("tspc::broadcast_start", mutates_args=())
+def broadcast_start(
+    x: torch.Tensor, src: int, numel: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    """Broadcast a flat buffer of ``numel`` elements from ``src``; ``x`` is this rank's own
+    buffer, sent when this rank is the source (the sources' buffers may differ in size)."""
+    pg = process_group(group)
+    buf = x.new_empty((numel,))
+    is_src = dist.get_rank(pg) == src
+    if is_src:
+        buf.copy_(x.reshape(-1))
+    work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
+    nbytes = _numel_bytes(buf)
+    COUNTER.record("broadcast", tag, recv=0 if is_src else nbytes, sent=nbytes if is_src else 0)
+    return _register([work], lambda: buf, "broadcast", tag, (x,))
+
+
+broadcast_start.register_fake(lambda x, src, numel, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::broadcast_wait", mutates_args=())
+def broadcast_wait(
+    handle: torch.Tensor, x: torch.Tensor, src: int, numel: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+broadcast_wait.register_fake(
+    lambda handle, x, src, numel, group, world, tag: x.new_empty((numel,))
+)
+
+
+def _broadcast_setup(ctx, inputs, output):
+    _, x, ctx.src, _, ctx.group, ctx.world, ctx.tag = inputs
+    ctx.x_numel = x.numel()
+
+
+def _broadcast_backward(ctx, grad):
+    # The source's buffer gets the sum of every rank's gradient; the others get zeros. A rank
+    # that is not the source may hold a buffer of another size: reduce a buffer shaped like
+    # the source's, then keep the part shaped like our own.
+    g = reduce(grad, ctx.src, ctx.group, ctx.world, ctx.tag)
+    if g.numel() != ctx.x_numel:
+        g = g.new_zeros(ctx.x_numel)
+    return None, g, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tspc::broadcast_wait", _broadcast_backward, setup_context=_broadcast_setup
+)
+
+# --------------------------------------------------------------------------- reduce
+
+
+@torch.library.custom_op("tspc::reduce_start", mutates_args=())
+def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) -> torch.Tensor:
+    pg = process_group(group)
+    buf = x.contiguous().clone()
+    is_dst = dist.get_rank(pg) == dst
+    work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
+    nbytes = _numel_bytes(buf)
+    COUNTER.record(
+        "reduce", tag, recv=(world - 1) * nbytes if is_dst else 0, sent=0 if is_dst else nbytes
+    )
+
+    def finish():
+        # Non-destination ranks hold no gradient for this shard: return zeros, not the
+        # partially reduced scratch that some backends leave in the buffer.
+        return buf if is_dst else buf.zero_()
+
+    return _register([work], finish, "reduce", tag, (x,))
+
+
+reduce_start.register_fake(lambda x, dst, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::reduce_wait", mutates_args=())
+def reduce_wait(
+    handle: torch.Tensor, x: torch.Tensor, dst: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+reduce_wait.register_fake(
+    lambda handle, x, dst, group, world, tag: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+)
+
+# --------------------------------------------------------------------------- zigzag all-gather
+
+
+def _gathered_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim % x.dim()] *= world
+    return shape
+
+
+@torch.library.custom_op("tspc::all_gather_start", mutates_args=())
+def all_gather_start(
+    x: torch.Tensor, dim: int, outer: int, inner: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    pg = process_group(group)
+    xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
+    out = xc.new_empty((world, *x.shape))
+    work = dist.all_gather_into_tensor(out, xc, group=pg, async_op=True)
+    nbytes = _numel_bytes(xc)
+    COUNTER.record("all_gather", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
+    return _register(
+        [work], lambda: zigzag_unshard(out, dim, world, outer, inner), "all_gather", tag, (x, xc)
+    )
+
+
+all_gather_start.register_fake(lambda x, dim, outer, inner, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::all_gather_wait", mutates_args=())
+def all_gather_wait(
+    handle: torch.Tensor,
+    x: torch.Tensor,
+    dim: int,
+    outer: int,
+    inner: int,
+    reduce_grad: bool,
+    group: str,
+    world: int,
+    tag: str,
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+all_gather_wait.register_fake(
+    lambda handle, x, dim, outer, inner, reduce_grad, group, world, tag: x.new_empty(
+        _gathered_shape(x, dim, world)
+    )
+)
+
+
+def _all_gather_setup(ctx, inputs, output):
+    _, x, ctx.dim, ctx.outer, ctx.inner, ctx.reduce_grad, ctx.group, ctx.world, ctx.tag = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    if ctx.reduce_grad:
+        # Gradients of replicated values are partial sums over ranks (see passes/layout.py):
+        # the true gradient of my tokens is the sum over ranks of my slice.
+        g = reduce_scatter(grad, ctx.dim, ctx.outer, ctx.inner, ctx.group, ctx.world, ctx.tag)
+    else:
+        # Every rank holds the same, complete gradient (user code after an output gather).
+        rank = dist.get_rank(process_group(ctx.group))
+        g = zigzag_slice(grad, ctx.dim, rank, ctx.world, ctx.outer, ctx.inner)
+    return None, g, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "tspc::all_gather_wait", _all_gather_backward, setup_context=_all_gather_setup
+)
+
+# --------------------------------------------------------------------------- zigzag reduce-scatter
+
+
+def _scattered_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim % x.dim()] //= world
+    return shape
+
+
+@torch.library.custom_op("tspc::reduce_scatter_start", mutates_args=())
+def reduce_scatter_start(
+    x: torch.Tensor, dim: int, outer: int, inner: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    pg = process_group(group)
+    parts = zigzag_stack_parts(x, dim, world, outer, inner).contiguous()
+    out = parts.new_empty((1, *parts.shape[1:]))
+    work = dist.reduce_scatter_tensor(out, parts, group=pg, async_op=True)
+    nbytes = _numel_bytes(out)
+    COUNTER.record("reduce_scatter", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
+    return _register([work], lambda: out[0], "reduce_scatter", tag, (x, parts))
+
+
+reduce_scatter_start.register_fake(lambda x, dim, outer, inner, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::reduce_scatter_wait", mutates_args=())
+def reduce_scatter_wait(
+    handle: torch.Tensor,
+    x: torch.Tensor,
+    dim: int,
+    outer: int,
+    inner: int,
+    group: str,
+    world: int,
+    tag: str,
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+reduce_scatter_wait.register_fake(
+    lambda handle, x, dim, outer, inner, group, world, tag: x.new_empty(
+        _scattered_shape(x, dim, world)
+    )
+)
+
+# --------------------------------------------------------------------------- ring hop (p2p)
+
+
+@torch.library.custom_op("tspc::ring_start", mutates_args=())
+def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
+    """Send ``x`` to rank ``(r + shift) % D`` and receive the same-shaped buffer from
+    ``(r - shift) % D``: one hop of a ring when ``shift`` is +1 or -1."""
+    pg = process_group(group)
+    rank = dist.get_rank(pg)
+    xc = x.contiguous()
+    buf = torch.empty_like(xc)
+    ops = [
+        dist.P2POp(dist.isend, xc, group=pg, group_peer=(rank + shift) % world),
+        dist.P2POp(dist.irecv, buf, group=pg, group_peer=(rank - shift) % world),
+    ]
+    works = dist.batch_isend_irecv(ops)
+    nbytes = _numel_bytes(xc)
+    COUNTER.record("ring", tag, recv=nbytes, sent=nbytes)
+    return _register(works, lambda: buf, "ring", tag, (x, xc))
+
+
+ring_start.register_fake(lambda x, shift, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::ring_wait", mutates_args=())
+def ring_wait(
+    handle: torch.Tensor, x: torch.Tensor, shift: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+ring_wait.register_fake(
+    lambda handle, x, shift, group, world, tag: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+)
+
+# --------------------------------------------------------------------------- all-reduce
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@torch.library.custom_op("tspc::all_reduce_start", mutates_args=())
+def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str) -> torch.Tensor:
+    pg = process_group(group)
+    buf = x.contiguous().clone()
+    work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
+    nbytes = _numel_bytes(buf) * 2 * (world - 1) // world
+    COUNTER.record("all_reduce", tag, recv=nbytes, sent=nbytes)
+    return _register([work], lambda: buf, "all_reduce", tag, (x,))
+
+
+all_reduce_start.register_fake(lambda x, op, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::all_reduce_wait", mutates_args=())
+def all_reduce_wait(
+    handle: torch.Tensor, x: torch.Tensor, op: str, group: str, world: int, tag: str
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+all_reduce_wait.register_fake(
+    lambda handle, x, op, group, world, tag: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+)
+
+
+def _all_reduce_setup(ctx, inputs, output):
+    _, _, ctx.op, ctx.group, ctx.world, ctx.tag = inputs
+
+
+def _all_reduce_backward(ctx, grad):
+    if ctx.op != "sum":
+        raise RuntimeError("tspc: only a sum all-reduce is differentiable")
+    return None, all_reduce(grad, "sum", ctx.group, ctx.world, ctx.tag), None, None, None, None
+
+
+torch.library.register_autograd(
+    "tspc::all_reduce_wait", _all_reduce_backward, setup_context=_all_reduce_setup
+)
+
+_side_effectful(
+    torch.ops.tspc.broadcast_start,
+    torch.ops.tspc.broadcast_wait,
+    torch.ops.tspc.reduce_start,
+    torch.ops.tspc.reduce_wait,
+    torch.ops.tspc.all_gather_start,
+    torch.ops.tspc.all_gather_wait,
+    torch.ops.tspc.reduce_scatter_start,
+    torch.ops.tspc.reduce_scatter_wait,
+    torch.ops.tspc.ring_start,
+    torch.ops.tspc.ring_wait,
+    torch.ops.tspc.all_reduce_start,
+    torch.ops.tspc.all_reduce_wait,
+)
+
+# start op -> its wait op, for the scheduler and the reports
+START_TO_WAIT = {
+    torch.ops.tspc.broadcast_start.default: torch.ops.tspc.broadcast_wait.default,
+    torch.ops.tspc.reduce_start.default: torch.ops.tspc.reduce_wait.default,
+    torch.ops.tspc.all_gather_start.default: torch.ops.tspc.all_gather_wait.default,
+    torch.ops.tspc.reduce_scatter_start.default: torch.ops.tspc.reduce_scatter_wait.default,
+    torch.ops.tspc.ring_start.default: torch.ops.tspc.ring_wait.default,
+    torch.ops.tspc.all_reduce_start.default: torch.ops.tspc.all_reduce_wait.default,
+}
+START_KIND = {
+    torch.ops.tspc.broadcast_start.default: "broadcast",
+    torch.ops.tspc.reduce_start.default: "reduce",
+    torch.ops.tspc.all_gather_start.default: "all_gather",
+    torch.ops.tspc.reduce_scatter_start.default: "reduce_scatter",
+    torch.ops.tspc.ring_start.default: "ring",
+    torch.ops.tspc.all_reduce_start.default: "all_reduce",
+}
+WAIT_OPS = frozenset(START_TO_WAIT.values())
+
+
+# --------------------------------------------------------------------------- synchronous helpers
+# Start immediately followed by wait; the scheduler may still pull them apart in a graph.
+
+
+def broadcast(x, src, numel, group, world, tag):
+    h = torch.ops.tspc.broadcast_start(x, src, numel, group, world, tag)
+    return torch.ops.tspc.broadcast_wait(h, x, src, numel, group, world, tag)
+
+
+def reduce(x, dst, group, world, tag):
+    return torch.ops.tspc.reduce_wait(
+        torch.ops.tspc.reduce_start(x, dst, group, world, tag), x, dst, group, world, tag
+    )
+
+
+def all_gather(x, dim, outer, inner, reduce_grad, group, world, tag):
+    h = torch.ops.tspc.all_gather_start(x, dim, outer, inner, group, world, tag)
+    return torch.ops.tspc.all_gather_wait(h, x, dim, outer, inner, reduce_grad, group, world, tag)
+
+
+def reduce_scatter(x, dim, outer, inner, group, world, tag):
+    h = torch.ops.tspc.reduce_scatter_start(x, dim, outer, inner, group, world, tag)
+    return torch.ops.tspc.reduce_scatter_wait(h, x, dim, outer, inner, group, world, tag)
+
+
+def ring_hop(x, shift, group, world, tag):
+    h = torch.ops.tspc.ring_start(x, shift, group, world, tag)
+    return torch.ops.tspc.ring_wait(h, x, shift, group, world, tag)
+
+
+def all_reduce(x, op, group, world, tag):
+    h = torch.ops.tspc.all_reduce_start(x, op, group, world, tag)
+    return torch.ops.tspc.all_reduce_wait(h, x, op, group, world, tag)

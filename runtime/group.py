@@ -1,0 +1,92 @@
+"""Which ranks form the TSP axis: the default world group, a given group, or a mesh dimension."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TSPGroup:
+    """The TSP axis as the passes see it: a name for the custom ops, this rank and the size D.
+
+    The passes bake ``size`` into shapes and ``rank`` into which shard a rank slices; they never
+    hold the ProcessGroup object itself, so a rewritten graph is plain data. ``name`` is the
+    c10d group name that the runtime resolves back to the group when an op runs.
+    """
+
+    name: str
+    rank: int
+    size: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.size > 1
+
+
+class GroupResolutionError(ValueError):
+    pass
+
+
+def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGroup:
+    """Resolve the ``group`` option into a TSPGroup.
+
+    ``group`` may be None (the default world group, or a single-process run when no process
+    group is initialised), a ``ProcessGroup``, or a ``DeviceMesh`` together with ``mesh_dim``
+    (a dimension name or index; a 1-D mesh needs none).
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return TSPGroup(name="", rank=0, size=1)
+        group = dist.group.WORLD
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without distributed
+        DeviceMesh = ()  # type: ignore[assignment]
+    if isinstance(group, DeviceMesh):
+        if mesh_dim is None:
+            if group.ndim != 1:
+                raise GroupResolutionError(
+                    f"a {group.ndim}-D DeviceMesh was given as the TSP group without "
+                    f"'mesh_dim'; pass options={{'group': mesh, 'mesh_dim': <name or index>}} "
+                    f"(mesh dims: {group.mesh_dim_names})"
+                )
+            mesh_dim = 0
+        try:
+            group = group.get_group(mesh_dim)
+        except Exception as e:  # noqa: BLE001 - re-raised with the option named
+            raise GroupResolutionError(
+                f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh "
+                f"(dims: {group.mesh_dim_names}): {e}"
+            ) from e
+    elif mesh_dim is not None:
+        raise GroupResolutionError("'mesh_dim' is only meaningful when 'group' is a DeviceMesh")
+    if not isinstance(group, dist.ProcessGroup):
+        raise GroupResolutionError(
+            f"option 'group' must be None, a ProcessGroup or a DeviceMesh, got "
+            f"{type(group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise GroupResolutionError(
+            "a process group was given but torch.distributed is not initialised"
+        )
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise GroupResolutionError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the TSP group"
+        )
+    size = dist.get_world_size(group)
+    if size > dist.get_world_size():
+        raise GroupResolutionError(
+            f"the TSP group has {size} ranks but the world has only {dist.get_world_size()}"
+        )
+    return TSPGroup(name=group.group_name, rank=rank, size=size)
+
+
+def process_group(name: str) -> dist.ProcessGroup:
+    """The ProcessGroup behind a TSPGroup name (called by the runtime ops, never by passes)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)

@@ -1,0 +1,100 @@
+"""The zigzag layout of a sequence over D ranks.
+
+The sequence is cut into 2D equal chunks; rank p holds chunks p and 2D-1-p, in that order.
+Causal attention then costs the same on every rank: an early chunk (few keys) is paired with a
+late one (many keys).
+
+A sharded dimension may also hold the sequence merged with other dimensions, as after
+``x.view(B * S, h)``: its size is ``outer * n * inner`` (row-major) and the zigzag cut applies to
+the ``n`` factor. Every function here takes ``(dim, outer, inner)`` for that reason; the common
+case is ``outer = inner = 1``.
+
+These are plain tensor functions (narrow / cat), so they trace into graphs, differentiate, and
+cost no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_divisible(n: int, world: int, what: str = "sequence length") -> int:
+    """Chunk length of the zigzag cut; a clear error when ``n`` does not split into 2D chunks."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    if n % (2 * world) != 0:
+        raise ValueError(
+            f"{what} {n} is not divisible by 2*D = {2 * world} (D = {world} ranks): the zigzag "
+            f"layout cuts it into 2D equal chunks. Pad the {what} to a multiple of {2 * world} "
+            f"(and mask the padding), or use a D that divides it."
+        )
+    return n // (2 * world)
+
+
+def zigzag_chunk_ids(rank: int, world: int) -> tuple[int, int]:
+    """The two chunk indices (of 2D) that ``rank`` holds, in local order."""
+    return rank, 2 * world - 1 - rank
+
+
+def zigzag_indices(n: int, rank: int, world: int) -> torch.Tensor:
+    """True positions of this rank's local tokens, in local order (a LongTensor of n/D)."""
+    c = check_divisible(n, world)
+    a, b = zigzag_chunk_ids(rank, world)
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+def _split3(x: torch.Tensor, dim: int, outer: int, inner: int) -> tuple[torch.Tensor, int]:
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    n = size // (outer * inner)
+    if n * outer * inner != size:
+        raise ValueError(f"dim {dim} of size {size} is not outer={outer} x n x inner={inner}")
+    return x.unflatten(dim, (outer, n, inner)), dim
+
+
+def zigzag_slice(
+    x: torch.Tensor, dim: int, rank: int, world: int, outer: int = 1, inner: int = 1
+) -> torch.Tensor:
+    """This rank's zigzag part of a full (replicated) tensor along ``dim``."""
+    if world == 1:
+        return x
+    y, dim = _split3(x, dim, outer, inner)
+    n = y.shape[dim + 1]
+    c = check_divisible(n, world)
+    a, b = zigzag_chunk_ids(rank, world)
+    local = torch.cat([y.narrow(dim + 1, a * c, c), y.narrow(dim + 1, b * c, c)], dim + 1)
+    return local.flatten(dim, dim + 2)
+
+
+def zigzag_unshard(
+    gathered: torch.Tensor, dim: int, world: int, outer: int = 1, inner: int = 1
+) -> torch.Tensor:
+    """Put an all-gathered tensor back into true order.
+
+    ``gathered`` has a leading rank dimension of size D followed by each rank's local tensor;
+    the result has ``dim`` (of the local tensor) D times larger, in true token order.
+    """
+    if world == 1:
+        return gathered[0]
+    parts, ldim = _split3(gathered, dim + 1 if dim >= 0 else dim, outer, inner)
+    # parts: [D, ..., outer, 2c, inner, ...] with the chunk pair at ldim + 1
+    two_c = parts.shape[ldim + 1]
+    c = two_c // 2
+    chunks = []
+    for j in range(2 * world):
+        if j < world:
+            src, off = j, 0
+        else:
+            src, off = 2 * world - 1 - j, c
+        chunks.append(parts[src].narrow(ldim, off, c))  # ldim shifts by -1 once [src] drops D
+    full = torch.cat(chunks, ldim)
+    return full.flatten(ldim - 1, ldim + 1)
+
+
+def zigzag_stack_parts(
+    full: torch.Tensor, dim: int, world: int, outer: int = 1, inner: int = 1
+) -> torch.Tensor:
+    """The inverse of ``zigzag_unshard``: ``[D, *local]`` with every rank's part of ``full``."""
+    return torch.stack(
+        [zigzag_slice(full, dim, r, world, outer, inner) for r in range(world)], dim=0
+    )

@@ -1,0 +1,232 @@
+"""Tests for `tspc plan`: the analytic planner reproduces the paper's 7B figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tspc.plan import (
+    GB,
+    PRESETS,
+    ModelShape,
+    PlanInputs,
+    crossover,
+    layer_comm,
+    main,
+    make_plan,
+    parse_tokens,
+)
+
+SEVEN_B = PRESETS["7b"]
+
+
+def total_gb(model: ModelShape, devices: int, seq_len: int, scheme: str) -> float:
+    plan = make_plan(model, PlanInputs(devices=devices, seq_len=seq_len))
+    return plan.scheme(scheme).memory.total / GB
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "tsp_gb", "tp_gb"),
+    [(128 * 1024, 38.8, 70.0), (16 * 1024, 31.0, 31.5)],
+)
+def test_7b_reported_memory_on_8_devices(seq_len: int, tsp_gb: float, tp_gb: float) -> None:
+    assert total_gb(SEVEN_B, 8, seq_len, "TSP(D=8)") == pytest.approx(tsp_gb, abs=1.0)
+    assert total_gb(SEVEN_B, 8, seq_len, "TP(T=8)") == pytest.approx(tp_gb, abs=1.0)
+
+
+def test_7b_breakdown_at_128k_matches_paper_notes() -> None:
+    memory = make_plan(SEVEN_B, PlanInputs(devices=8, seq_len=131072)).scheme("TSP(D=8)").memory
+    assert memory.model_state / GB == pytest.approx(21.37, abs=0.01)
+    assert memory.stored_activations / GB == pytest.approx(4.29, abs=0.01)
+    assert memory.working_set / GB == pytest.approx(3.36, abs=0.01)
+    assert memory.kv_gathered / GB == pytest.approx(0.27, abs=0.01)
+    assert memory.logits / GB == pytest.approx(1.05, abs=0.01)
+    assert memory.overhead / GB == pytest.approx(8.54)
+
+
+@pytest.mark.parametrize(
+    ("devices", "reported_gb"), [(1, 219.8), (2, 117.3), (4, 65.0), (8, 38.9), (16, 25.8)]
+)
+def test_7b_tsp_memory_across_devices_at_128k(devices: int, reported_gb: float) -> None:
+    assert total_gb(SEVEN_B, devices, 131072, f"TSP(D={devices})") == pytest.approx(
+        reported_gb, abs=1.0
+    )
+
+
+def test_cli_preset_output_reports_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "7b", "--devices", "8", "--seq", "128K"]) == 0
+    out = capsys.readouterr().out
+    assert "TSP(D=8): reported 38.8 GB, modelled 38.89 GB (within 1 GB)" in out
+    assert "TP(T=8): reported 70.0 GB, modelled 69.71 GB (within 1 GB)" in out
+    assert "Assumptions" in out and "c0 = 8.54 GB" in out and "kappa = 16" in out
+    assert "32,768 tokens = 8.00h" in out
+
+
+def test_crossover_is_8h_for_the_7b() -> None:
+    cross = crossover(SEVEN_B, PlanInputs(devices=8, seq_len=131072))
+    assert cross.tokens == 8 * 4096 == 32768
+    assert cross.tsp_moves_fewer_bytes
+    # TSP/TP forward = 1/2 + 4h/(B*S) for MHA with F = 4.
+    assert cross.tsp_over_tp_forward == pytest.approx(0.5 + 4 * 4096 / 131072)
+    assert not crossover(SEVEN_B, PlanInputs(devices=8, seq_len=16384)).tsp_moves_fewer_bytes
+
+
+def test_tsp_comm_formula_for_gqa() -> None:
+    gqa = ModelShape(
+        hidden=2048, layers=4, heads=16, kv_heads=4, intermediate=5632, vocab=1000, name="gqa"
+    )
+    inputs = PlanInputs(devices=4, seq_len=8192, micro_batch=2)
+    h, h_kv, beta, d, bs = 2048, 2048 * 4 // 16, 2, 4, 2 * 8192
+    p_attn = 2 * h * h + 2 * h * h_kv
+    p_mlp = 3 * h * 5632
+    expected = (d - 1) / d * beta * (p_attn + p_mlp + 2 * bs * h_kv)
+    assert layer_comm(gqa, inputs, "TSP", d, d).forward == pytest.approx(expected)
+    tp = layer_comm(gqa, inputs, "TP", d, 1).forward
+    assert tp == pytest.approx(4 * (d - 1) / d * bs * h * beta)
+    assert crossover(gqa, inputs).tokens == pytest.approx((p_attn + p_mlp) / (4 * h - 2 * h_kv))
+
+
+# What transformers 5.24 `LlamaConfig(...).to_json_file` writes (pure JSON keeps this test fast).
+LLAMA_CONFIG_JSON = """{
+  "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+  "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+  "intermediate_size": 2816, "max_position_embeddings": 2048, "mlp_bias": false,
+  "model_type": "llama", "num_attention_heads": 16, "num_hidden_layers": 6,
+  "num_key_value_heads": 4, "pad_token_id": null, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
+  "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+  "tie_word_embeddings": true, "transformers_version": "5.24.0", "use_cache": true,
+  "vocab_size": 5000
+}"""
+
+
+def _check_llama_shape(model: ModelShape) -> None:
+    assert (model.hidden, model.layers, model.heads, model.kv_heads) == (1024, 6, 16, 4)
+    assert (model.intermediate, model.vocab, model.tied_embeddings) == (2816, 5000, True)
+    assert model.kv_width == 256
+    assert model.embedding_params == 5000 * 1024
+    assert model.attn_params == 2 * 1024 * 1024 + 2 * 1024 * 256
+
+
+def test_reads_a_llama_config_json(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(LLAMA_CONFIG_JSON)
+    for source in (path, tmp_path, json.loads(LLAMA_CONFIG_JSON)):  # file, directory, dict
+        _check_llama_shape(ModelShape.from_hf_config(source))
+
+
+@pytest.mark.slow  # importing transformers takes seconds
+def test_reads_a_transformers_llama_config(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    transformers.LlamaConfig(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        intermediate_size=2816,
+        vocab_size=5000,
+        tie_word_embeddings=True,
+    ).to_json_file(str(path))
+    _check_llama_shape(ModelShape.from_hf_config(path))
+
+
+def test_config_defaults_for_missing_optional_keys() -> None:
+    model = ModelShape.from_hf_config(
+        {"hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "vocab_size": 100}
+    )
+    assert model.kv_heads == 8 and model.intermediate == 4 * 512 and not model.tied_embeddings
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelShape.from_hf_config({"num_hidden_layers": 2})
+
+
+def test_json_output_has_every_scheme(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--preset", "7b", "-D", "8", "--seq", "131072", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["schemes"]) == {
+        "DP",
+        "TP(T=8)",
+        "SP(Σ=8)",
+        "TP+SP(T=2,Σ=4)",
+        "TP+SP(T=4,Σ=2)",
+        "TSP(D=8)",
+    }
+    tsp = data["schemes"]["TSP(D=8)"]
+    assert tsp["memory_gb"]["total"] == pytest.approx(38.8, abs=1.0)
+    assert tsp["comm_bytes_per_layer"]["forward"] > 0
+    assert data["crossover"]["tokens"] == 32768
+    assert data["assumptions"]
+
+
+def test_json_with_a_config_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "hidden_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 688,
+                "vocab_size": 1000,
+            }
+        )
+    )
+    assert main(["--config", str(path), "-D", "4", "--seq", "4K", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["schemes"]) == {"DP", "TP(T=4)", "SP(Σ=4)", "TP+SP(T=2,Σ=2)", "TSP(D=4)"}
+    assert data["reported"] == []  # not the paper's setting
+
+
+@pytest.mark.parametrize(("text", "tokens"), [("16K", 16384), ("128k", 131072), ("4096", 4096)])
+def test_parse_tokens(text: str, tokens: int) -> None:
+    assert parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "7b", "--devices", "0", "--seq", "128K"], "must be a positive integer"),
+        (["--preset", "13b", "--devices", "8", "--seq", "128K"], "invalid choice: '13b'"),
+        (["--preset", "7b", "--devices", "8", "--seq", "1000"], "not divisible by 2*D = 16"),
+        (["--preset", "7b", "--devices", "8", "--seq", "12Q"], "is not a token count"),
+        (["--preset", "7b", "--devices", "8", "--seq", "128K", "--dtype", "fp8"], "fp8"),
+        (["--devices", "8", "--seq", "128K"], "one of the arguments --preset --config"),
+        (["--config", "/nonexistent/config.json", "-D", "8", "--seq", "1K"], "not found"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_plan_inputs_raise_value_error() -> None:
+    with pytest.raises(ValueError, match="devices"):
+        PlanInputs(devices=0, seq_len=1024)
+    with pytest.raises(ValueError, match="recompute"):
+        PlanInputs(devices=2, seq_len=1024, recompute="selective")
+    with pytest.raises(ValueError, match="KV heads"):
+        ModelShape(hidden=64, layers=1, heads=4, kv_heads=3, intermediate=128, vocab=10)
+
+
+def test_recompute_none_stores_every_layer() -> None:
+    full = make_plan(SEVEN_B, PlanInputs(devices=8, seq_len=16384)).scheme("TSP(D=8)").memory
+    none = (
+        make_plan(SEVEN_B, PlanInputs(devices=8, seq_len=16384, recompute="none"))
+        .scheme("TSP(D=8)")
+        .memory
+    )
+    assert none.working_set == 0
+    assert none.stored_activations == pytest.approx(32 * full.working_set)
+    assert none.total > full.total
+
+
+def test_prime_device_count_has_no_tp_sp_factorization(capsys) -> None:
+    assert main(["--preset", "7b", "-D", "7", "--seq", "14K"]) == 0
+    out = capsys.readouterr().out
+    assert "No TP+SP factorization T x Σ = 7" in out
+    assert "not divisible by D = 7" in out  # 32 heads over 7 ranks

@@ -1,0 +1,114 @@
+"""The ``tsp`` torch.compile backend.
+
+Registered through the ``torch_dynamo_backends`` entry point, so ``backend="tsp"`` resolves
+without importing tspc. Dynamo calls ``tsp_backend(gm, example_inputs, options=...)`` once per
+captured graph; the backend runs the pass pipeline (``tspc/pipeline.py``) and hands the result to
+the inner compiler (``tspc/inner.py``).
+
+A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
+values) is compiled per concrete shape at its first call with that shape: the passes bake the
+local sequence length into shapes, and every rank sees the same shapes in the same order, so all
+ranks compile the same graphs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tspc.passes.analyse import analyse
+from tspc.passes.specialize import specialize
+from tspc.runtime import comm
+from tspc.runtime.group import TSPGroup, resolve_group
+
+from .dump import write_dump
+from .inner import AotGraphs, compile_inner
+from .options import TSPOptions
+from .pipeline import LEVELS, PipelineResult, run_pipeline
+from .report import REPORTS
+
+log = logging.getLogger("tspc")
+_GRAPH_IDS = itertools.count()
+
+
+class TSPCompileError(RuntimeError):
+    """The passes could not handle the model and ``strict`` was requested."""
+
+
+def _compile_static(
+    gm: fx.GraphModule, example_inputs: list[Any], group: TSPGroup, opts: TSPOptions
+) -> Callable:
+    graph_id = next(_GRAPH_IDS)
+    start = {"tsp": "tsp", "sp": "sp", "none": "replicated"}[opts.schedules]
+    errors: list[str] = []
+    result: PipelineResult | None = None
+    for level in LEVELS[LEVELS.index(start) :]:
+        try:
+            result = run_pipeline(gm, example_inputs, group, opts, level, graph_id)
+            break
+        except Exception as e:  # noqa: BLE001 - reported, then the next level runs
+            if opts.strict:
+                raise TSPCompileError(
+                    f"tspc (strict): the '{level}' pipeline failed on graph {graph_id}: {e}"
+                ) from e
+            log.warning("tspc: the '%s' pipeline failed (%s); falling back", level, e)
+            errors.append(f"'{level}' failed: {type(e).__name__}: {e}")
+    assert result is not None
+    report = result.report
+    report.fallbacks = errors
+    if opts.strict:
+        skipped = report.skipped
+        if skipped:
+            lines = "\n".join(f"  {e.kind} {e.module}: {e.reason}" for e in skipped)
+            raise TSPCompileError(
+                "tspc (strict): these modules would not run the TSP schedules:\n" + lines
+            )
+    REPORTS.append(report)
+    log.info("%s", report.summary())
+    graphs = AotGraphs()
+    compiled = compile_inner(result.gm, example_inputs, opts, graphs)
+    if opts.dump_dir:
+        write_dump(opts.dump_dir, result, graphs, group)
+    return compiled
+
+
+class _PerShapeCompiler:
+    """Compiles a symbolic-shape graph once per concrete input shape, at first use."""
+
+    def __init__(self, gm: fx.GraphModule, group: TSPGroup, opts: TSPOptions):
+        self.gm = gm
+        self.group = group
+        self.opts = opts
+        self.cache: dict[tuple, Callable] = {}
+
+    def __call__(self, *args):
+        key = tuple(
+            tuple(a.shape) if isinstance(a, torch.Tensor) else (a if isinstance(a, int) else None)
+            for a in args
+        )
+        fn = self.cache.get(key)
+        if fn is None:
+            static = specialize(self.gm, list(args))
+            fn = _compile_static(static, list(args), self.group, self.opts)
+            self.cache[key] = fn
+        return fn(*args)
+
+
+def tsp_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], *, options: dict | None = None
+) -> Callable:
+    """Compile one Dynamo graph with Tensor-and-Sequence Parallel schedules."""
+    opts = TSPOptions.from_dict(options)
+    group = resolve_group(opts.group, opts.mesh_dim)
+    if opts.comm_timeout is not None:
+        comm.SETTINGS.timeout_s = float(opts.comm_timeout)
+    info = analyse(gm, example_inputs)
+    if info.has_symbolic_inputs:
+        log.info("tspc: symbolic shapes: compiling per concrete shape at first use")
+        return _PerShapeCompiler(gm, group, opts)
+    return _compile_static(gm, list(example_inputs), group, opts)

@@ -1,0 +1,153 @@
+"""The inner compiler: what runs the rewritten graph's local compute.
+
+* ``aot_eager`` — aot_autograd traces the rewritten graph (custom ops and the ring's
+  autograd.Function included) into forward and backward graphs of aten ops and runs them
+  eagerly. The partitioner is told to *recompute* the weight broadcasts and the K/V all-gathers
+  in backward rather than save their results, so neither a layer's full weights nor the full
+  K/V are kept alive between forward and backward (``tsp_partition``).
+* ``inductor`` — the same, with Inductor compiling the local compute of both graphs; the
+  collectives stay explicit extern calls that the schedule has placed.
+* ``eager`` — the rewritten graph as a Python function; autograd records it op by op (debugging;
+  backward then keeps the broadcast weights alive).
+
+Both aot variants run the overlap scheduler on the forward and the backward graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from tspc.passes.schedule import schedule_overlap
+
+from .options import TSPOptions
+
+_RECOMPUTE_STARTS = (
+    torch.ops.tspc.broadcast_start.default,
+    torch.ops.tspc.all_gather_start.default,
+)
+_RECOMPUTE_WAITS = (
+    torch.ops.tspc.broadcast_wait.default,
+    torch.ops.tspc.all_gather_wait.default,
+)
+_VIEW_OPS = {
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.t.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.cat.default,
+}
+
+
+def _mark(n: fx.Node) -> None:
+    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    n.meta.setdefault("ac_graph_id", 0)
+
+
+def mark_transfers_for_recompute(graph: fx.Graph) -> int:
+    """Tag weight broadcasts and K/V gathers (and the views/packs around them) MUST_RECOMPUTE.
+
+    Only forward nodes are tagged: the joint graph's backward part is what the partitioner
+    builds the backward from.
+    """
+    marked = 0
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in _RECOMPUTE_STARTS:
+            _mark(n)
+            marked += 1
+            # the packed weights the broadcast sends: a cheap cat of local shards
+            src = n.args[0]
+            if isinstance(src, fx.Node) and src.op == "call_function" and src.target in _VIEW_OPS:
+                _mark(src)
+                for i in src.all_input_nodes:
+                    if i.op == "call_function" and i.target in _VIEW_OPS:
+                        _mark(i)
+        elif n.target in _RECOMPUTE_WAITS:
+            _mark(n)
+            stack = list(n.users)
+            while stack:
+                u = stack.pop()
+                if u.op == "call_function" and u.target in _VIEW_OPS and "recompute" not in u.meta:
+                    _mark(u)
+                    stack.extend(u.users)
+    return marked
+
+
+def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    mark_transfers_for_recompute(joint_module.graph)
+    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+
+@dataclass
+class AotGraphs:
+    """The forward / backward graphs aot_autograd produced, after scheduling (for dumps)."""
+
+    forward: list[str] = field(default_factory=list)
+    backward: list[str] = field(default_factory=list)
+    forward_gms: list[fx.GraphModule] = field(default_factory=list)
+    backward_gms: list[fx.GraphModule] = field(default_factory=list)
+
+
+def compile_inner(
+    gm: fx.GraphModule, example_inputs: list[Any], opts: TSPOptions, graphs: AotGraphs
+) -> Callable:
+    if opts.inner == "eager":
+        return gm.forward
+
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def make(kind: str):
+        def compiler(g: fx.GraphModule, ex):
+            if opts.overlap:
+                schedule_overlap(g)
+            (graphs.forward if kind == "forward" else graphs.backward).append(g.code)
+            (graphs.forward_gms if kind == "forward" else graphs.backward_gms).append(g)
+            if opts.inner == "inductor":
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                return compile_fx_inner(g, ex, is_backward=kind == "backward")
+            return make_boxed_func(g.forward)
+
+        return compiler
+
+    decomps = None
+    partition = tsp_partition
+    if opts.inner == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        decomps = select_decomp_table()
+    else:
+        from functools import partial
+
+        partition = partial(_aot_eager_partition)
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=make("forward"),
+        bw_compiler=make("backward"),
+        partition_fn=partition,
+        decompositions=decomps,
+        keep_inference_input_mutations=True,
+    )
+
+
+def _aot_eager_partition(joint_module, joint_inputs, **kwargs):
+    # aot_eager's min-cut should not try Inductor-specific fusion heuristics.
+    kwargs.setdefault("compiler", "aot_eager")
+    return tsp_partition(joint_module, joint_inputs, **kwargs)

@@ -1,0 +1,177 @@
+"""Causal attention of this rank's zigzag query chunks against the full, true-order keys.
+
+Rank p holds query chunks p and 2D-1-p (each c = S/2D tokens). Chunk j attends to keys
+[0, (j+1)c): a fully visible prefix [0, jc) and the causal diagonal block [jc, (j+1)c). Each
+part goes through the fused attention kernel on its own (no mask for the prefix, ``is_causal``
+for the diagonal) and the parts are merged by their log-sum-exps, so no c x S (let alone S x S)
+mask is ever built. An optional key-validity vector (padding) becomes a ``[B, 1, 1, L]`` additive
+mask per block.
+
+Backward uses the kernel's own backward per block, given the *merged* output and log-sum-exp
+(the same identity ring attention relies on: each block's softmax weights are
+``exp(scores - lse_total)``). GQA is handled here: keys and values may have fewer heads than
+the queries.
+
+The op does no communication; it only needs ``rank`` and ``world`` to know which chunks it holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _blocks(rank: int, world: int, s_full: int):
+    """(query chunk slice, [(key start, key stop, is_causal)]) for each local chunk."""
+    if world == 1:
+        return [((0, s_full), [(0, s_full, True)])]
+    c = s_full // (2 * world)
+    out = []
+    for i, j in enumerate((rank, 2 * world - 1 - rank)):
+        keys = []
+        if j > 0:
+            keys.append((0, j * c, False))
+        keys.append((j * c, (j + 1) * c, True))
+        out.append(((i * c, (i + 1) * c), keys))
+    return out
+
+
+def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rep = n_heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _additive_mask(valid: torch.Tensor | None, k0: int, k1: int, dtype) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    v = valid[:, k0:k1]
+    m = torch.zeros(v.shape, dtype=dtype, device=v.device).masked_fill(~v, float("-inf"))
+    return m[:, None, None, :]
+
+
+def _visible(valid: torch.Tensor | None, k0: int, k1: int, causal: bool, nq: int):
+    """[B, 1, nq] bool: does each query row see at least one valid key in this block?"""
+    if valid is None:
+        return None
+    v = valid[:, k0:k1]
+    if causal:
+        seen = torch.cummax(v.to(torch.int8), dim=1).values.bool()[:, :nq]
+    else:
+        seen = v.any(dim=1, keepdim=True).expand(v.shape[0], nq)
+    return seen[:, None, :]
+
+
+def _forward(q, k, v, rank, world, scale, valid):
+    s_full = k.shape[2]
+    k = _expand_kv(k, q.shape[1])
+    v = _expand_kv(v, q.shape[1])
+    outs, lses = [], []
+    for (q0, q1), keys in _blocks(rank, world, s_full):
+        qc = q[:, :, q0:q1]
+        parts = []
+        for k0, k1, causal in keys:
+            mask = _additive_mask(valid, k0, k1, q.dtype)
+            o, lse = _FWD(
+                qc, k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, attn_mask=mask, scale=scale
+            )
+            vis = _visible(valid, k0, k1, causal, q1 - q0)
+            if vis is not None:  # the kernel reports lse = 0 for a row that sees no key
+                lse = lse.masked_fill(~vis, float("-inf"))
+            parts.append((o, lse))
+        if len(parts) == 1:
+            o, lse = parts[0]
+        else:
+            lse = torch.logaddexp(parts[0][1], parts[1][1])
+            safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+            o = sum(p_o.float() * torch.exp(p_l - safe).unsqueeze(-1) for p_o, p_l in parts).to(
+                q.dtype
+            )
+        outs.append(o)
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    return out, lse
+
+
+@torch.library.custom_op("tspc::zigzag_causal_attention", mutates_args=())
+def zigzag_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rank: int,
+    world: int,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (output [B, Hq, S/D, d], log-sum-exp [B, Hq, S/D] in fp32)."""
+    out, lse = _forward(q, k, v, rank, world, scale, key_valid)
+    return out.contiguous(), lse.contiguous()
+
+
+@zigzag_causal_attention.register_fake
+def _(q, k, v, rank, world, scale, key_valid=None):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, rank, world, scale, key_valid = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_valid)
+    ctx.rank, ctx.world, ctx.scale = rank, world, scale
+    ctx.has_valid = key_valid is not None
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, valid = ctx.saved_tensors
+    if not ctx.has_valid:
+        valid = None
+    n_heads, kv_heads = q.shape[1], k.shape[1]
+    s_full = k.shape[2]
+    ke = _expand_kv(k, n_heads)
+    ve = _expand_kv(v, n_heads)
+    # Rows that see no key at all: output 0, no gradient. lse=+inf makes every weight 0.
+    lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
+    dq_parts = []
+    dk = torch.zeros_like(ke)
+    dv = torch.zeros_like(ve)
+    for (q0, q1), keys in _blocks(ctx.rank, ctx.world, s_full):
+        go = grad_out[:, :, q0:q1]
+        qc = q[:, :, q0:q1]
+        oc = out[:, :, q0:q1]
+        lc = lse_b[:, :, q0:q1]
+        dqc = None
+        for k0, k1, causal in keys:
+            mask = _additive_mask(valid, k0, k1, q.dtype)
+            dq_b, dk_b, dv_b = _BWD(
+                go,
+                qc,
+                ke[:, :, k0:k1],
+                ve[:, :, k0:k1],
+                oc,
+                lc,
+                0.0,
+                causal,
+                attn_mask=mask,
+                scale=ctx.scale,
+            )
+            dqc = dq_b if dqc is None else dqc + dq_b
+            dk[:, :, k0:k1] += dk_b
+            dv[:, :, k0:k1] += dv_b
+        dq_parts.append(dqc)
+    dq = dq_parts[0] if len(dq_parts) == 1 else torch.cat(dq_parts, dim=2)
+    if kv_heads != n_heads:  # sum the gradients of the repeated heads back onto their KV head
+        rep = n_heads // kv_heads
+        dk = dk.unflatten(1, (kv_heads, rep)).sum(2)
+        dv = dv.unflatten(1, (kv_heads, rep)).sum(2)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd("tspc::zigzag_causal_attention", _backward, setup_context=_setup)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,78 @@
+"""The backend's options, as passed through ``torch.compile(..., options={...})``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class OptionError(ValueError):
+    pass
+
+
+_CHOICES = {
+    "inputs": ("replicated",),
+    "outputs": ("gathered", "sharded"),
+    "inner": ("eager", "aot_eager", "inductor"),
+    "schedules": ("tsp", "sp", "none"),
+}
+
+
+@dataclass(frozen=True)
+class TSPOptions:
+    """Options of the ``tsp`` backend.
+
+    group: None (the default world group), a ``ProcessGroup``, or a ``DeviceMesh`` (then also
+        ``mesh_dim``) — the ranks of the TSP axis.
+    mesh_dim: the mesh dimension (name or index) of the TSP axis when ``group`` is a mesh.
+    inputs: "replicated" — every rank passes the full batch; the graph takes its zigzag part.
+    outputs: "gathered" (results equal one device) or "sharded" (each rank keeps its zigzag
+        tokens; see ``tspc.zigzag_unshard``) — for long context, where gathering logits would
+        undo the memory saving.
+    overlap: schedule transfers ahead of the compute that hides them (True) or leave each
+        transfer next to its use (False; for measuring what overlap buys).
+    inner: compiler for the local compute: "aot_eager" (default), "inductor", or "eager"
+        (debugging: no aot_autograd, so backward keeps weights alive instead of re-streaming).
+    strict: raise instead of falling back when a pass cannot handle part of the model.
+    dump_dir: write the graphs after each pass and a report there (also TSPC_DUMP_DIR).
+    schedules: "tsp" (default); "sp" shards only the sequence (weights replicated, K/V
+        all-gathered) — the sequence-parallel baseline; "none" runs the graph replicated.
+    comm_timeout: seconds a collective may take before the run fails with an error naming it
+        (also TSPC_COMM_TIMEOUT); None waits as long as the process group does.
+    """
+
+    group: Any = None
+    mesh_dim: str | int | None = None
+    inputs: str = "replicated"
+    outputs: str = "gathered"
+    overlap: bool = True
+    inner: str = "aot_eager"
+    strict: bool = False
+    dump_dir: str | None = None
+    schedules: str = "tsp"
+    comm_timeout: float | None = None
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
+        options = dict(options or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise OptionError(
+                f"unknown tsp backend option(s) {unknown}; known options: {known}"
+            )
+        for name, choices in _CHOICES.items():
+            if name in options and options[name] not in choices:
+                raise OptionError(
+                    f"option {name}={options[name]!r} is not one of {list(choices)}"
+                )
+        for name in ("overlap", "strict"):
+            if name in options and not isinstance(options[name], bool):
+                raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
+        if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):
+            options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
+        t = options.get("comm_timeout")
+        if t is not None and (not isinstance(t, (int, float)) or t <= 0):
+            raise OptionError(f"option comm_timeout must be a positive number of seconds, got {t!r}")
+        return cls(**options)

@@ -1,0 +1,155 @@
+"""The pass pipeline, in order, with a snapshot of the graph after each pass.
+
+    analyse -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
+            -> rewrite_mlp -> schedule_overlap -> (inner compiler: tspc/inner.py)
+
+``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
+(sequence sharding only: replicated weights, K/V all-gathered), or "replicated" (no pass
+changes the graph; every rank computes everything). The backend falls back from a level to the
+next when a pass fails, unless the user asked for ``strict``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from tspc.passes.analyse import analyse, propagate_shapes
+from tspc.passes.match_attention import match_attention
+from tspc.passes.match_mlp import match_gated_mlp
+from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
+from tspc.passes.rewrite_mlp import rewrite_mlp
+from tspc.passes.schedule import schedule_overlap
+from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
+from tspc.runtime.group import TSPGroup
+
+from .options import TSPOptions
+from .report import CompileReport, ModuleEntry
+
+log = logging.getLogger("tspc")
+
+PIPELINE = (
+    "analyse",
+    "match",
+    "shard_sequence",
+    "rewrite_attention",
+    "rewrite_mlp",
+    "schedule",
+)
+LEVELS = ("tsp", "sp", "replicated")
+
+
+@dataclass
+class PipelineResult:
+    gm: fx.GraphModule
+    report: CompileReport
+    snapshots: list[tuple[str, str]] = field(default_factory=list)  # (pass name, python code)
+
+
+def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph in a new GraphModule with no Dynamo metadata.
+
+    The copy is what the passes mutate (Dynamo's graph stays intact for recompiles at other
+    shapes), and its root module is where the shards live as parameters that aot_autograd lifts.
+    """
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            obj = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            setattr(root, n.target.replace(".", "_"), obj)
+            n.target = n.target.replace(".", "_")
+    return fx.GraphModule(root, graph)
+
+
+def run_pipeline(
+    dynamo_gm: fx.GraphModule,
+    example_inputs: list[Any],
+    group: TSPGroup,
+    opts: TSPOptions,
+    level: str = "tsp",
+    graph_id: int = 0,
+) -> PipelineResult:
+    D = group.size
+    gm = fresh_copy(dynamo_gm)
+    report = CompileReport(rank=group.rank, world=D, level=level, graph_id=graph_id)
+    res = PipelineResult(gm, report)
+
+    def snap(name: str) -> None:
+        res.snapshots.append((name, gm.code))
+
+    snap("captured")
+    info = analyse(gm, example_inputs)
+    propagate_shapes(gm, example_inputs)
+    snap("analyse")
+    att_matches, att_skips = match_attention(gm, info, D)
+    claimed = set()
+    for m in att_matches:
+        claimed |= {p.linear for p in m.projections()} | {m.o_linear}
+    mlp_matches, mlp_skips = match_gated_mlp(gm, info, D, claimed)
+    for s in att_skips + mlp_skips:
+        report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
+    snap("match")
+    seq_len = find_sequence_length(gm)
+    report.seq_len = seq_len
+    if level == "replicated" or D == 1 or not seq_len:
+        if D > 1 and level != "replicated":
+            report.notes.append("no self-attention found: the sequence is not sharded")
+    else:
+        tags = {m.sdpa: m.module for m in att_matches}
+        sr = shard_sequence(
+            gm, info, group, seq_len, gather_outputs=opts.outputs == "gathered", tags=tags
+        )
+        report.sharded_inputs = sr.sharded_inputs
+        report.gathers = sr.gathers
+        report.notes += sr.notes
+        propagate_shapes(gm, example_inputs)
+    snap("shard_sequence")
+
+    if level == "tsp" and opts.schedules == "tsp":
+        for m in att_matches:
+            out = rewrite_attention(gm, info, m, group, gm)
+            if isinstance(out, AttentionRewrite):
+                details = {
+                    k: v for k, v in vars(out).items() if k not in ("module", "notes")
+                }
+                details.update(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
+                report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
+            else:
+                report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
+            propagate_shapes(gm, example_inputs)
+        snap("rewrite_attention")
+        for m in mlp_matches:
+            out = rewrite_mlp(gm, info, m, group, gm)
+            details = {k: v for k, v in vars(out).items() if k != "module"}
+            details["intermediate"] = m.intermediate
+            report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
+            propagate_shapes(gm, example_inputs)
+        snap("rewrite_mlp")
+    else:
+        why = "schedules='sp'" if opts.schedules == "sp" else f"level '{level}'"
+        for m in att_matches:
+            report.entries.append(
+                ModuleEntry("attention", m.module, "skipped", f"not rewritten ({why})")
+            )
+        for m in mlp_matches:
+            report.entries.append(ModuleEntry("mlp", m.module, "skipped", f"not rewritten ({why})"))
+    if opts.overlap:
+        schedule_overlap(gm)
+    snap("schedule")
+    report.entries.sort(key=lambda e: (_natural_key(e.module), e.kind))
+    return res
+
+
+def _natural_key(s: str):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]

@@ -1,0 +1,85 @@
+"""The match report: what every compile matched, skipped (and why) and will communicate.
+
+Silent non-application is the failure this guards against: every attention (SDPA call) and every
+gated-MLP candidate appears here by module name, matched or skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("tspc")
+
+
+@dataclass
+class ModuleEntry:
+    kind: str  # "attention" | "mlp"
+    module: str
+    status: str  # "matched" | "skipped"
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CompileReport:
+    rank: int
+    world: int
+    seq_len: int | None = None
+    level: str = "tsp"  # "tsp", "sp" or "replicated": what actually ran
+    entries: list[ModuleEntry] = field(default_factory=list)
+    sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
+    gathers: list[dict] = field(default_factory=list)
+    predicted_recv_bytes: dict[str, int] = field(default_factory=dict)  # per module
+    fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    graph_id: int = 0
+
+    @property
+    def matched(self) -> list[ModuleEntry]:
+        return [e for e in self.entries if e.status == "matched"]
+
+    @property
+    def skipped(self) -> list[ModuleEntry]:
+        return [e for e in self.entries if e.status == "skipped"]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["matched"] = [{"kind": e.kind, "module": e.module} for e in self.matched]
+        d["skipped"] = [
+            {"kind": e.kind, "module": e.module, "reason": e.reason} for e in self.skipped
+        ]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def summary(self) -> str:
+        lines = [
+            f"tspc: graph {self.graph_id} on rank {self.rank}/{self.world}: ran '{self.level}'"
+            + (f", sequence length {self.seq_len}" if self.seq_len else "")
+        ]
+        for e in self.entries:
+            extra = f" ({e.reason})" if e.reason else ""
+            lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback: {f}")
+        if self.gathers:
+            lines.append(f"  sequence gathers: {len(self.gathers)}")
+            for gth in self.gathers:
+                lines.append(f"    {gth['value']} for {gth['op']}: {gth['reason']}")
+        return "\n".join(lines)
+
+
+REPORTS: list[CompileReport] = []
+"""Reports of every compile in this process, oldest first."""
+
+
+def last_report() -> CompileReport | None:
+    return REPORTS[-1] if REPORTS else None
+
+
+def clear_reports() -> None:
+    REPORTS.clear()
