@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.fx as fx
+
 from tspc.runtime.ring_mlp import SUPPORTED_ACTIVATIONS
 
 from .analyse import GraphInfo

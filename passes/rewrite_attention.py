@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from tspc.ops.zigzag_attention import default_scale
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import STORE, ShardSpec
-
-from tspc.ops.zigzag_attention import default_scale
 
 from .analyse import GraphInfo
 from .graph_utils import arg, is_getitem, op_name, shape, tensor_inputs, tensor_val
@@ -57,6 +57,9 @@ _KEEP = ("contiguous", "clone", "to", "float", "half", "bfloat16", "type_as", "d
 
 class _NotHeadLocal(Exception):
     pass
+
+
+WHOLE = "whole"  # a value every head group uses unchanged (a single shared KV head)
 
 
 @dataclass
@@ -105,7 +108,11 @@ class _HeadPlan:
         for node in region:
             if node in sources:
                 p = sources[node]
-                self.layout[node] = self.sharded(p.n_heads, p.unit, len(shape(node)) - 1)
+                if _local_heads(p.n_heads, self.world) == p.n_heads:
+                    # a single KV head shared by every group: nothing of it to cut
+                    self.layout[node] = WHOLE
+                else:
+                    self.layout[node] = self.sharded(p.n_heads, p.unit, len(shape(node)) - 1)
                 continue
             self.layout[node] = self._propagate(node, region)
 
@@ -121,6 +128,11 @@ class _HeadPlan:
         ins = [i for i in tensor_inputs(node) if i in self.layout]
         if not ins:
             raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
+        whole = [i for i in ins if self.layout[i] is WHOLE]
+        if whole:
+            if len(whole) != len(ins):
+                raise _NotHeadLocal(f"'{node.name}' mixes a shared head with split heads")
+            return WHOLE
         x = node.args[0] if node.args else None
         if name in _VIEWS or name in ("flatten", "squeeze", "unsqueeze", "unflatten"):
             sh = self.layout[x]
@@ -521,7 +533,10 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
             # parts side by side along the head dimension, each shared KV head once.
             sh = plan.layout[n]
             parts = per_step[::span] if (shared_kv and n in kv_nodes) else per_step
-            cat = parts[0] if len(parts) == 1 else g.call_function(torch.cat, (parts, sh.dim))
+            if len(parts) == 1 or sh is WHOLE:
+                cat = parts[0]
+            else:
+                cat = g.call_function(torch.cat, (parts, sh.dim))
             for u in list(n.users):
                 if u not in region_set and u not in ignore_users:
                     u.replace_input_with(n, cat)
@@ -572,14 +587,13 @@ def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[
 def _clone(g, node: fx.Node, env: dict, plan: _HeadPlan, r: int, D: int) -> fx.Node:
     """Copy a region node for head group r: inputs from this group's copies, head counts in
     its size arguments cut to the group's, outside per-head operands narrowed to the group."""
-    new = g.node_copy(node, lambda a: env.get(a, a))
-    plan.apply_sizes(node, new)
+    local = dict(env)
     for (owner, outside), (dim, sh) in plan.outside_slices.items():
         if owner is node:
             start = r * sh.n_local if sh.n % D == 0 else r * sh.n // D
-            sl = g.call_function(torch.narrow, (outside, dim, start, sh.n_local))
-            new.args = fx.node.map_arg(new.args, lambda a, o=outside, s=sl: s if a is o else a)
-            new.kwargs = fx.node.map_arg(new.kwargs, lambda a, o=outside, s=sl: s if a is o else a)
+            local[outside] = g.call_function(torch.narrow, (outside, dim, start, sh.n_local))
+    new = g.node_copy(node, lambda a: local.get(a, a))
+    plan.apply_sizes(node, new)
     return new
 
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.ring_mlp import ring_mlp
 from tspc.runtime.shard_store import STORE, ShardSpec
 
 from .analyse import GraphInfo
-from .graph_utils import shape
+from .graph_utils import shape, tensor_val
 from .match_mlp import MlpMatch
 
 
@@ -28,6 +29,7 @@ class MlpRewrite:
     hops: int
     activation: str
     shard_numel: int
+    predicted_recv_bytes: int
 
 
 def rewrite_mlp(
@@ -101,4 +103,12 @@ def rewrite_mlp(
     g.erase_node(m.down)
     g.eliminate_dead_code()
     gm.recompile()
-    return MlpRewrite(m.module, steps=D, hops=D - 1, activation=m.act, shard_numel=numel)
+    elem = tensor_val(m.down_weight).element_size()
+    return MlpRewrite(
+        m.module,
+        steps=D,
+        hops=D - 1,
+        activation=m.act,
+        shard_numel=numel,
+        predicted_recv_bytes=(D - 1) * numel * elem,
+    )

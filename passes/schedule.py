@@ -21,6 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch.fx as fx
+
 from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
 
 

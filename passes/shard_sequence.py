@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from tspc.ops.zigzag_attention import default_scale, zigzag_causal_attention
 from tspc.runtime.autograd_glue import replicated_output, sync_replicated_grad
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.seq_reductions import sharded_cross_entropy, sharded_mean, sharded_sum
 from tspc.runtime.zigzag import check_divisible, zigzag_slice
-
-from tspc.ops.zigzag_attention import default_scale, zigzag_causal_attention
 
 from .analyse import GraphInfo
 from .graph_utils import (

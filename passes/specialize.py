@@ -21,7 +21,7 @@ from .analyse import propagate_shapes
 
 
 def _is_plain_number(v: Any) -> bool:
-    if isinstance(v, bool) or isinstance(v, (int, float)):
+    if isinstance(v, (bool, int, float)):
         return not (isinstance(v, float) and math.isnan(v))
     if isinstance(v, (torch.Size, tuple, list)):
         return all(isinstance(x, int) for x in v)

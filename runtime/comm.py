@@ -145,9 +145,7 @@ def broadcast_wait(
     return _complete(handle)
 
 
-broadcast_wait.register_fake(
-    lambda handle, x, src, numel, group, world, tag: x.new_empty((numel,))
-)
+broadcast_wait.register_fake(lambda handle, x, src, numel, group, world, tag: x.new_empty((numel,)))
 
 
 def _broadcast_setup(ctx, inputs, output):
@@ -223,7 +221,7 @@ def all_gather_start(
     pg = process_group(group)
     xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
     out = xc.new_empty((world, *x.shape))
-    work = dist.all_gather_into_tensor(out, xc, group=pg, async_op=True)
+    work = dist.all_gather_single(out, xc, group=pg, async_op=True)
     nbytes = _numel_bytes(xc)
     COUNTER.record("all_gather", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
     return _register(
@@ -292,7 +290,7 @@ def reduce_scatter_start(
     pg = process_group(group)
     parts = zigzag_stack_parts(x, dim, world, outer, inner).contiguous()
     out = parts.new_empty((1, *parts.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, parts, group=pg, async_op=True)
+    work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
     nbytes = _numel_bytes(out)
     COUNTER.record("reduce_scatter", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
     return _register([work], lambda: out[0], "reduce_scatter", tag, (x, parts))

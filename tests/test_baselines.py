@@ -37,9 +37,8 @@ def _config(world_size: int, **extra) -> dict:
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 128, (2, SEQ), generator=g), torch.randint(
-        0, 128, (2, SEQ), generator=g
-    )
+    ids = torch.randint(0, 128, (2, SEQ), generator=g)
+    return ids, torch.randint(0, 128, (2, SEQ), generator=g)
 
 
 def _train_step(model, fn, ids, tgt, optimizer):
@@ -104,6 +103,15 @@ def _eager_rank(rank: int, world_size: int) -> dict:
     out["param_bytes"] = state_bytes(model)["parameters"]
     out["param_bytes_expected"] = total - sharded + sharded // world_size
 
+    # Collectives per forward+backward, as Megatron has them (the baselines must not be strawmen).
+    for mode, build in (("tp", build_tp), ("tp_sp", build_tp_sp)):
+        model = build(build_reference_model(**cfg))
+        with torch.profiler.profile() as prof:
+            F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten()).backward()
+        out[f"{mode}_collectives"] = {
+            e.key: e.count for e in prof.key_averages() if e.key.startswith("c10d::")
+        }
+
     # The memory tracker sees DTensor's collectives (functional c10d ops) as communication.
     for mode, build in (("tp", build_tp), ("tp_sp", build_tp_sp)):
         model = build(build_reference_model(**cfg))
@@ -133,6 +141,15 @@ def test_tp_and_tp_sp_match_one_process(world_size):
         for key in ("tp_sp", "tp_sp_mask", "tp_sp_foreach"):
             _check(r[key], SEQ // world_size)
         assert r["param_bytes"] == r["param_bytes_expected"]
+        layers = 2
+        assert r["tp_collectives"] == {"c10d::allreduce_": 4 * layers}  # 2 fwd + 2 bwd per layer
+        assert r["tp_sp_collectives"] == {
+            # fwd: before attn/mlp + before the LM head; bwd: adjoints of the reduce-scatters
+            # and of the embedding's sequence split (the LM head gather's adjoint is a slice).
+            "c10d::allgather_into_tensor_coalesced_": 4 * layers + 2,
+            # fwd: after attn/mlp; bwd: adjoints of the attn/mlp gathers.
+            "c10d::reduce_scatter_tensor_coalesced_": 4 * layers,
+        }
         for mode in ("tp", "tp_sp"):
             mem = r[f"{mode}_memory"]
             assert mem["parameters"] == r["param_bytes_expected"] == mem["gradients"]

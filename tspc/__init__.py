@@ -1,1 +1,17 @@
-"""tspc: Tensor-and-Sequence Parallelism as a torch.compile backend."""
+"""tspc: Tensor-and-Sequence Parallelism as a torch.compile backend.
+
+``torch.compile(model, backend="tsp")`` works without importing this package (an entry point
+registers the backend); import it for the helpers: match reports, the zigzag layout, and
+(for training) the parameters an optimizer should own.
+"""
+
+from tspc.report import CompileReport, last_report
+from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
+
+__all__ = [
+    "CompileReport",
+    "last_report",
+    "zigzag_indices",
+    "zigzag_slice",
+    "zigzag_unshard",
+]

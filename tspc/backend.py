@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,10 +31,23 @@ from .dump import write_dump
 from .inner import AotGraphs, compile_inner
 from .options import TSPOptions
 from .pipeline import LEVELS, PipelineResult, run_pipeline
-from .report import REPORTS
+from .report import REPORTS, CompileReport
 
 log = logging.getLogger("tspc")
 _GRAPH_IDS = itertools.count()
+
+
+@dataclass
+class CompiledGraph:
+    """Everything one compile produced: the report, the pass-by-pass graphs, the aot graphs."""
+
+    report: CompileReport
+    pipeline: PipelineResult
+    aot: AotGraphs
+
+
+COMPILED: list[CompiledGraph] = []
+"""Every graph compiled in this process, oldest first (for dumps and tests)."""
 
 
 class TSPCompileError(RuntimeError):
@@ -71,6 +85,7 @@ def _compile_static(
     REPORTS.append(report)
     log.info("%s", report.summary())
     graphs = AotGraphs()
+    COMPILED.append(CompiledGraph(report, result, graphs))
     compiled = compile_inner(result.gm, example_inputs, opts, graphs)
     if opts.dump_dir:
         write_dump(opts.dump_dir, result, graphs, group)

@@ -18,9 +18,7 @@ if TYPE_CHECKING:
     from .pipeline import PipelineResult
 
 
-def write_dump(
-    root: str, result: PipelineResult, graphs: AotGraphs, group: TSPGroup
-) -> str:
+def write_dump(root: str, result: PipelineResult, graphs: AotGraphs, group: TSPGroup) -> str:
     d = os.path.join(root, f"rank{group.rank}", f"graph{result.report.graph_id}")
     os.makedirs(d, exist_ok=True)
     for i, (name, code) in enumerate(result.snapshots):

@@ -30,10 +30,12 @@ from .options import TSPOptions
 _RECOMPUTE_STARTS = (
     torch.ops.tspc.broadcast_start.default,
     torch.ops.tspc.all_gather_start.default,
+    torch.ops.tspc.ring_start.default,
 )
 _RECOMPUTE_WAITS = (
     torch.ops.tspc.broadcast_wait.default,
     torch.ops.tspc.all_gather_wait.default,
+    torch.ops.tspc.ring_wait.default,
 )
 _VIEW_OPS = {
     torch.ops.aten.view.default,
@@ -56,10 +58,12 @@ def _mark(n: fx.Node) -> None:
 
 
 def mark_transfers_for_recompute(graph: fx.Graph) -> int:
-    """Tag weight broadcasts and K/V gathers (and the views/packs around them) MUST_RECOMPUTE.
+    """Tag weight transfers and K/V gathers (and the views/packs around them) MUST_RECOMPUTE.
 
-    Only forward nodes are tagged: the joint graph's backward part is what the partitioner
-    builds the backward from.
+    Without this the min-cut partitioner would save what they produce for the backward — every
+    head group's weights and gathered K/V, the whole layer — or, for transfers that the backward
+    issues but that do not depend on a gradient (the MLP ring's backward weight hops), would
+    hoist them into the forward and save their results. Recomputing keeps both in the backward.
     """
     marked = 0
     for n in graph.nodes:
@@ -86,9 +90,29 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
     return marked
 
 
+def keep_backward_transfers_in_backward(graph: fx.Graph) -> int:
+    """Pin collectives traced in backward to the backward graph.
+
+    The partitioner may move a backward node that does not depend on a gradient into the
+    forward and save its result — for the MLP ring's backward weight hops that would mean
+    fetching every shard in the forward and keeping them all. ``must_be_in_backward`` forbids it.
+    """
+    pinned = 0
+    for n in graph.nodes:
+        if (
+            n.op == "call_function"
+            and getattr(n.target, "namespace", None) == "tspc"
+            and n.meta.get("partitioner_tag") == "is_backward"
+        ):
+            n.meta["partitioner_tag"] = "must_be_in_backward"
+            pinned += 1
+    return pinned
+
+
 def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    keep_backward_transfers_in_backward(joint_module.graph)
     mark_transfers_for_recompute(joint_module.graph)
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 

@@ -59,14 +59,10 @@ class TSPOptions:
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(known))
         if unknown:
-            raise OptionError(
-                f"unknown tsp backend option(s) {unknown}; known options: {known}"
-            )
+            raise OptionError(f"unknown tsp backend option(s) {unknown}; known options: {known}")
         for name, choices in _CHOICES.items():
             if name in options and options[name] not in choices:
-                raise OptionError(
-                    f"option {name}={options[name]!r} is not one of {list(choices)}"
-                )
+                raise OptionError(f"option {name}={options[name]!r} is not one of {list(choices)}")
         for name in ("overlap", "strict"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
@@ -74,5 +70,7 @@ class TSPOptions:
             options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
         t = options.get("comm_timeout")
         if t is not None and (not isinstance(t, (int, float)) or t <= 0):
-            raise OptionError(f"option comm_timeout must be a positive number of seconds, got {t!r}")
+            raise OptionError(
+                f"option comm_timeout must be a positive number of seconds, got {t!r}"
+            )
         return cls(**options)

@@ -118,20 +118,27 @@ def run_pipeline(
         for m in att_matches:
             out = rewrite_attention(gm, info, m, group, gm)
             if isinstance(out, AttentionRewrite):
-                details = {
-                    k: v for k, v in vars(out).items() if k not in ("module", "notes")
-                }
+                details = {k: v for k, v in vars(out).items() if k not in ("module", "notes")}
                 details.update(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
                 report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
+                report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
             else:
                 report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
             propagate_shapes(gm, example_inputs)
+        rewritten = {
+            m.sdpa.name
+            for m in att_matches
+            if any(e.module == m.module and e.status == "matched" for e in report.entries)
+        }
+        # K/V gathers of the sequence pass that the schedule replaced are not in the program.
+        report.gathers = [x for x in report.gathers if x["for"] not in rewritten]
         snap("rewrite_attention")
         for m in mlp_matches:
             out = rewrite_mlp(gm, info, m, group, gm)
             details = {k: v for k, v in vars(out).items() if k != "module"}
             details["intermediate"] = m.intermediate
             report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
+            report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
             propagate_shapes(gm, example_inputs)
         snap("rewrite_mlp")
     else:

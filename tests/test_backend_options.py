@@ -1,0 +1,52 @@
+"""The backend's front door: registration by entry point, options, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from samples.reference_model import build_reference_model
+from tspc.options import OptionError, TSPOptions
+
+
+def test_backend_resolves_without_importing_tspc():
+    code = (
+        "import sys, torch\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "fn = lookup_backend('tsp')\n"
+        "assert fn.__module__ == 'tspc.backend', fn\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_unknown_option_is_an_error_listing_known_ones():
+    model = build_reference_model(num_layers=1)
+    compiled = torch.compile(model, backend="tsp", options={"overlapp": True})
+    with pytest.raises(Exception, match=r"unknown tsp backend option\(s\) \['overlapp'\].*overlap"):
+        compiled(torch.randint(0, 256, (1, 8)))
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"inner": "tvm"}, r"inner='tvm' is not one of"),
+        ({"outputs": "scattered"}, r"outputs='scattered'"),
+        ({"strict": "yes"}, r"strict must be True or False"),
+        ({"comm_timeout": -1}, r"comm_timeout must be a positive"),
+    ],
+)
+def test_bad_option_values(options, match):
+    with pytest.raises(OptionError, match=match):
+        TSPOptions.from_dict(options)
+
+
+def test_group_must_be_a_process_group_or_mesh():
+    from tspc.runtime.group import GroupResolutionError, resolve_group
+
+    with pytest.raises(GroupResolutionError, match="ProcessGroup or a DeviceMesh"):
+        resolve_group(group="world")
