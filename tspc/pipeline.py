@@ -124,7 +124,9 @@ def run_pipeline(
                 report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
             else:
                 report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
-            propagate_shapes(gm, example_inputs)
+        # One propagation for all layers: a rewrite reads only its own layer's metadata, which
+        # the rewrites of other layers do not touch. It validates the rewritten graph.
+        propagate_shapes(gm, example_inputs)
         rewritten = {
             m.sdpa.name
             for m in att_matches
@@ -139,7 +141,7 @@ def run_pipeline(
             details["intermediate"] = m.intermediate
             report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
             report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
-            propagate_shapes(gm, example_inputs)
+        propagate_shapes(gm, example_inputs)
         snap("rewrite_mlp")
     else:
         why = "schedules='sp'" if opts.schedules == "sp" else f"level '{level}'"
