@@ -24,6 +24,7 @@ _ALIASES = {
     "itruediv": "div_",
     "scaled_dot_product_attention": "sdpa",
     "_scaled_dot_product_attention": "sdpa",
+    "causal_attention": "sdpa",  # tspc.ops.zigzag_attention.causal_attention
 }
 
 
@@ -71,12 +72,21 @@ def is_tensor_node(x: Any) -> bool:
     return isinstance(x, fx.Node) and tensor_val(x) is not None
 
 
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """Distinct tensor-valued nodes among a node's args and kwargs, in order."""
+def _is_tensor_tuple(x: Any) -> bool:
+    v = val(x)
+    return isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v)
+
+
+def tensor_inputs(node: fx.Node, include_tuples: bool = False) -> list[fx.Node]:
+    """Distinct tensor-valued nodes among a node's args and kwargs, in order (with
+    ``include_tuples``, also nodes producing tuples of tensors, as split/chunk do)."""
     seen: list[fx.Node] = []
 
     def visit(a):
-        if isinstance(a, fx.Node) and is_tensor_node(a) and a not in seen:
+        ok = is_tensor_node(a) or (
+            include_tuples and isinstance(a, fx.Node) and _is_tensor_tuple(a)
+        )
+        if ok and a not in seen:
             seen.append(a)
         return a
 

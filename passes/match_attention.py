@@ -88,8 +88,26 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
 
 
 def sdpa_args(node: fx.Node) -> dict:
+    """SDPA's arguments by name; also for ``causal_attention`` (what classify_masks emits)."""
+    from tspc.ops.zigzag_attention import causal_attention
+
+    if node.target is causal_attention:
+        q, k, v, key_valid, scale = node.args[:5]
+        return {
+            "query": q,
+            "key": k,
+            "value": v,
+            "attn_mask": None,
+            "dropout_p": 0.0,
+            "is_causal": True,
+            "scale": scale,
+            "enable_gqa": True,
+            "key_valid": key_valid,
+        }
     defaults = (None, None, None, None, 0.0, False, None, False)
-    return {name: arg(node, i, name, d) for i, (name, d) in enumerate(zip(SDPA_ARGS, defaults))}
+    out = {name: arg(node, i, name, d) for i, (name, d) in enumerate(zip(SDPA_ARGS, defaults))}
+    out["key_valid"] = None
+    return out
 
 
 class _NoMatch(Exception):
@@ -162,7 +180,7 @@ def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[f
             continue
         if n.op in ("placeholder", "get_attr"):
             continue
-        for i in tensor_inputs(n):
+        for i in tensor_inputs(n, include_tuples=True):
             if i not in seen:
                 seen.add(i)
                 queue.append(i)
@@ -190,7 +208,7 @@ def _backward_reach(dst: fx.Node) -> set[fx.Node]:
     queue = deque([dst])
     while queue:
         n = queue.popleft()
-        for i in tensor_inputs(n):
+        for i in tensor_inputs(n, include_tuples=True):
             if i not in seen:
                 seen.add(i)
                 queue.append(i)

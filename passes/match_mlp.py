@@ -104,8 +104,8 @@ def match_gated_mlp(
             if down is None or not _param_linear(down, params) or len(act_node.users) != 1:
                 continue
             module = module_fqn_of_param(params[arg(gate_lin, 1, "weight")].fqn)
-            gate = _projection_rows(gate_lin, act_node, params)
-            up = _projection_rows(up_lin, node, params)
+            gate = _projection_rows(gate_lin, act_node.args[0], params)
+            up = _projection_rows(up_lin, up_side, params)
             if gate.key() == up.key():
                 skips.append(Skip("mlp", module, "gate and up read the same rows"))
                 break

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tspc.ops.zigzag_attention import default_scale
+from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import STORE, ShardSpec
@@ -48,7 +48,7 @@ from .layout import (
     rewrite_sizes,
 )
 from .match_attention import AttentionMatch, Projection, Skip
-from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, _sdpa_zigzag_causal, sdpa_local_queries
+from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, sdpa_local_queries
 
 _VIEWS = ("view", "reshape")
 _PERMUTES = ("transpose", "permute", "t", "swapaxes")
@@ -125,7 +125,7 @@ class _HeadPlan:
 
     def _propagate(self, node: fx.Node, region) -> Sharded:
         name = op_name(node) or ""
-        ins = [i for i in tensor_inputs(node) if i in self.layout]
+        ins = [i for i in tensor_inputs(node, include_tuples=True) if i in self.layout]
         if not ins:
             raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
         whole = [i for i in ins if self.layout[i] is WHOLE]
@@ -165,6 +165,8 @@ class _HeadPlan:
             out = map_broadcast(len(shape(x)), len(shape(node)), sh)
             self._plan_sizes(node, out)
             return out
+        if is_getitem(node) and isinstance(self.layout.get(x), tuple):
+            return self.layout[x][node.args[1]]
         if is_getitem(node):
             if not isinstance(node.args[1], (tuple, slice, int, type(None), type(Ellipsis))):
                 raise _NotHeadLocal(f"'{node.name}' indexes with a tensor")
@@ -172,6 +174,16 @@ class _HeadPlan:
             if out is None or out == "unknown":
                 raise _NotHeadLocal(f"'{node.name}' slices across heads")
             return out
+        if name in ("split", "chunk", "split_with_sizes", "unbind"):
+            sh = self.layout[x]
+            nd = len(shape(x))
+            dim = arg(node, 2 if name != "unbind" else 1, "dim", 0) % nd
+            if dim == sh.dim:
+                raise _NotHeadLocal(f"'{node.name}' splits across heads")
+            parts = len(node.meta.get("val", ()))
+            if name == "unbind":
+                sh = sh.with_dim(sh.dim - (1 if dim < sh.dim else 0))
+            return (sh,) * parts
         if name in ("mean", "sum", "amax", "amin", "var", "std", "norm", "softmax", "log_softmax"):
             sh = self.layout[x]
             ndim = len(shape(x))
@@ -384,8 +396,10 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
     )
 
     # Attention arguments as the sequence pass left them.
-    if attention.target is _sdpa_zigzag_causal:
-        kind, mask, scale = "zigzag_causal", None, attention.args[5]
+    key_valid = None
+    if attention.target is causal_attention:
+        kind, mask, scale = "zigzag_causal", None, attention.args[4]
+        key_valid = attention.args[3]
     elif attention.target is sdpa_local_queries:
         kind, mask, scale = "sdpa_masked_rows", attention.args[3], attention.args[5]
     else:
@@ -422,10 +436,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
     pack_node = None
     shard_numel = 0
     if D > 1:
+        for c in step_comps:
+            for _, pnode, _ in c:
+                STORE.declare(params[pnode].example, group.name, rank, D)
         with g.inserting_before(first_use):
             shard_nodes = []
             for cname, pnode, spec in step_comps[rank]:
-                shard = STORE.shard(params[pnode].example, spec, rank, D)
+                shard = STORE.shard(params[pnode].example, spec, group.name, rank, D)
                 attr = f"tsp_{m.module.replace('.', '_')}_{cname}"
                 shard_root.register_parameter(attr, shard)
                 shard_numel += shard.numel()
@@ -499,7 +516,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
                 env_primary, kv_primary = env, (k_full, v_full)
             if kind == "zigzag_causal":
                 att = g.call_function(
-                    _sdpa_zigzag_causal, (q_r, k_full, v_full, rank, D, float(scale), gqa)
+                    causal_attention, (q_r, k_full, v_full, key_valid, float(scale), rank, D)
                 )
             elif kind == "sdpa_masked_rows":
                 att = g.call_function(

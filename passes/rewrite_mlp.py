@@ -69,7 +69,7 @@ def rewrite_mlp(
     with g.inserting_before(m.down):
         for name, (pnode, spec) in specs.items():
             if D > 1:
-                shard = STORE.shard(params[pnode].example, spec, rank, D)
+                shard = STORE.shard(params[pnode].example, spec, group.name, rank, D)
                 attr = f"tsp_{m.module.replace('.', '_')}_{name}"
                 shard_root.register_parameter(attr, shard)
                 numel += shard.numel()

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from tspc.ops.zigzag_attention import default_scale, zigzag_causal_attention
+from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.autograd_glue import replicated_output, sync_replicated_grad
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.seq_reductions import sharded_cross_entropy, sharded_mean, sharded_sum
@@ -275,10 +275,6 @@ def find_sequence_length(gm: fx.GraphModule) -> int | None:
     return max(set(lengths), key=lengths.count)
 
 
-def _sdpa_zigzag_causal(q, k, v, rank, world, scale, enable_gqa=False):
-    return zigzag_causal_attention(q, k, v, rank, world, scale, None)[0]
-
-
 def sdpa_local_queries(q, k, v, attn_mask, dropout_p, scale, enable_gqa):
     """SDPA of local query rows against all keys (mask already cut to those rows)."""
     return F.scaled_dot_product_attention(
@@ -404,7 +400,8 @@ class _Propagator:
                 dim = 0
             else:
                 continue
-            users = list(src.users)
+            # values that must stay whole (the key padding of causal attention) keep the input
+            users = [u for u in src.users if not u.meta.get("tspc_keep_full")]
             with self.g.inserting_before(first):
                 sl = self.g.call_function(zigzag_slice, (src, dim, self.rank, self.D, 1, 1))
             set_fake_value(sl)
@@ -1060,16 +1057,23 @@ class _Propagator:
             )
             node.kwargs = {}
         elif a["is_causal"]:
+            # causal attention of the local zigzag queries: no mask tensor at all
             scale = a["scale"] if a["scale"] is not None else default_scale(shape(q)[-1])
-            node.target = _sdpa_zigzag_causal
+            key_valid = a["key_valid"]
+            if isinstance(key_valid, fx.Node) and isinstance(self.L(key_valid), Sharded):
+                if key_valid.meta.get("tspc_role") == "seq_slice":
+                    key_valid = key_valid.args[0]  # the replicated [B, S] it was cut from
+                else:
+                    key_valid = self.gather(key_valid, node, "key padding needs every key")
+            node.target = causal_attention
             node.args = (
                 self._arg_now(node, 0, "query"),
                 self._arg_now(node, 1, "key"),
                 self._arg_now(node, 2, "value"),
+                key_valid,
+                float(scale),
                 self.rank,
                 self.D,
-                float(scale),
-                bool(a["enable_gqa"]),
             )
             node.kwargs = {}
         else:

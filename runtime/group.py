@@ -20,6 +20,9 @@ class TSPGroup:
     name: str
     rank: int
     size: int
+    # Data parallelism on top: the other axis of a 2-D mesh, over which gradients are averaged.
+    dp_name: str = ""
+    dp_size: int = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -54,15 +57,31 @@ def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGr
                     f"(mesh dims: {group.mesh_dim_names})"
                 )
             mesh_dim = 0
+        mesh = group
         try:
-            group = group.get_group(mesh_dim)
+            group = mesh.get_group(mesh_dim)
         except Exception as e:  # noqa: BLE001 - re-raised with the option named
             raise GroupResolutionError(
                 f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh "
-                f"(dims: {group.mesh_dim_names}): {e}"
+                f"(dims: {mesh.mesh_dim_names}): {e}"
             ) from e
+        if mesh.ndim > 2:
+            raise GroupResolutionError(
+                f"a {mesh.ndim}-D DeviceMesh: tspc composes with one data-parallel axis; pass a "
+                "2-D (dp, tsp) mesh, or the TSP axis's own ProcessGroup"
+            )
+        if mesh.ndim == 2:
+            names = mesh.mesh_dim_names or ("0", "1")
+            tsp_index = names.index(mesh_dim) if isinstance(mesh_dim, str) else int(mesh_dim)
+            dp = mesh.get_group(1 - tsp_index)
+            base = _plain(group)
+            return TSPGroup(base.name, base.rank, base.size, dp.group_name, dist.get_world_size(dp))
     elif mesh_dim is not None:
         raise GroupResolutionError("'mesh_dim' is only meaningful when 'group' is a DeviceMesh")
+    return _plain(group)
+
+
+def _plain(group) -> TSPGroup:
     if not isinstance(group, dist.ProcessGroup):
         raise GroupResolutionError(
             f"option 'group' must be None, a ProcessGroup or a DeviceMesh, got "

@@ -26,11 +26,16 @@ class ShardSpec:
 
 
 @dataclass
-class _Entry:
+class ShardedParam:
+    """What this rank knows of one full parameter that the schedules shard."""
+
     shards: dict[ShardSpec, nn.Parameter]
     full_shape: torch.Size
+    dtype: torch.dtype
+    group: str  # the TSP group's name, for collectives that rebuild the full tensor
     world: int
     rank: int
+    released: bool = False
 
 
 class ShardStore:
@@ -38,10 +43,11 @@ class ShardStore:
         # keyed by identity: tensors compare elementwise, so a plain weak dict would not do
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def shard(self, full: torch.Tensor, spec: ShardSpec, rank: int, world: int) -> nn.Parameter:
+    def declare(self, full: torch.Tensor, group: str, rank: int, world: int) -> ShardedParam:
+        """Record that ``full`` is sharded over the group (this rank may hold none of it)."""
         entry = self._entries.get(full)
         if entry is None:
-            entry = _Entry({}, full.shape, world, rank)
+            entry = ShardedParam({}, full.shape, full.dtype, group, world, rank)
             self._entries[full] = entry
         elif (entry.world, entry.rank) != (world, rank):
             raise RuntimeError(
@@ -49,17 +55,28 @@ class ShardStore:
                 f"{entry.rank} of {entry.world}; it cannot be re-sharded for rank {rank} of "
                 f"{world} in the same process"
             )
+        return entry
+
+    def shard(
+        self, full: torch.Tensor, spec: ShardSpec, group: str, rank: int, world: int
+    ) -> nn.Parameter:
+        """This rank's shard ``spec`` of ``full``: cut once, then always the same object."""
+        entry = self.declare(full, group, rank, world)
         shard = entry.shards.get(spec)
         if shard is None:
-            if full.untyped_storage().size() == 0:
+            if entry.released or full.untyped_storage().size() == 0:
                 raise RuntimeError(
-                    "tspc: a shard was requested from a parameter whose full storage was already "
-                    "released; this is a bug (shards must be cut before the release)"
+                    "tspc: a new shard was requested from a parameter whose full storage was "
+                    "already released (a recompile asked for a different cut of it); this is a "
+                    "bug in the passes"
                 )
             data = full.detach().narrow(spec.dim, spec.start, spec.stop - spec.start).clone()
             shard = nn.Parameter(data, requires_grad=full.requires_grad)
             entry.shards[spec] = shard
         return shard
+
+    def get(self, full: torch.Tensor) -> ShardedParam | None:
+        return self._entries.get(full)
 
     def shards_of(self, full: torch.Tensor) -> dict[ShardSpec, nn.Parameter]:
         entry = self._entries.get(full)

@@ -5,12 +5,20 @@ registers the backend); import it for the helpers: match reports, the zigzag lay
 (for training) the parameters an optimizer should own.
 """
 
+from tspc.api import load_state_dict, named_parameters, parameters, state_dict
 from tspc.report import CompileReport, last_report
+from tspc.runtime.release import ReleasedParameterError, is_released
 from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 
 __all__ = [
     "CompileReport",
+    "ReleasedParameterError",
+    "is_released",
     "last_report",
+    "load_state_dict",
+    "named_parameters",
+    "parameters",
+    "state_dict",
     "zigzag_indices",
     "zigzag_slice",
     "zigzag_unshard",

@@ -25,7 +25,10 @@ import torch.fx as fx
 from tspc.passes.analyse import analyse
 from tspc.passes.specialize import specialize
 from tspc.runtime import comm
+from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.group import TSPGroup, resolve_group
+from tspc.runtime.release import release
+from tspc.runtime.shard_store import STORE
 
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
@@ -88,8 +91,61 @@ def _compile_static(
     COMPILED.append(CompiledGraph(report, result, graphs))
     compiled = compile_inner(result.gm, example_inputs, opts, graphs)
     if opts.dump_dir:
-        write_dump(opts.dump_dir, result, graphs, group)
-    return compiled
+        # Writes the dump now; the wrapper rewrites it after the first call and around the
+        # first backward (measured counters, the backward graph): see tspc/dump.py.
+        compiled = write_dump(opts.dump_dir, result, graphs, group, compiled, example_inputs, opts)
+    releasable, kept = _releasable_parameters(result.gm, example_inputs)
+    for name in kept:
+        report.notes.append(f"{name} is sharded but still used whole by this graph; not released")
+    if group.dp_size > 1:
+        _average_over_data_parallel(result.gm, example_inputs, group)
+    return _ReleaseAfterFirstCall(compiled, releasable)
+
+
+def _releasable_parameters(gm: fx.GraphModule, example_inputs: list[Any]):
+    """Full parameters this graph no longer reads (only its shards): they can be released."""
+    releasable, kept = [], []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, ex in zip(placeholders, example_inputs):
+        entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
+        if entry is None:
+            continue
+        if node.users:
+            kept.append(node.name)
+        else:
+            releasable.append(ex)
+    return releasable, kept
+
+
+def _average_over_data_parallel(gm, example_inputs, group: TSPGroup) -> None:
+    params = []
+    for ex in example_inputs:
+        if isinstance(ex, torch.nn.Parameter):
+            entry = STORE.get(ex)
+            params += list(entry.shards.values()) if entry is not None else [ex]
+    average_grads_over(params, group.dp_name, group.dp_size)
+
+
+class _ReleaseAfterFirstCall:
+    """The compiled graph; after its first call the full sharded parameters are released.
+
+    Not before: the first call may be the one Dynamo uses to check the graph, and releasing at
+    compile time would free weights while the original module could still run eagerly between
+    ``torch.compile`` and the first call.
+    """
+
+    def __init__(self, fn: Callable, releasable: list[torch.Tensor]):
+        self.fn = fn
+        self.releasable = releasable
+        if getattr(fn, "_boxed_call", False):
+            self._boxed_call = True
+
+    def __call__(self, *args):
+        out = self.fn(*args)
+        if self.releasable:
+            release(self.releasable)
+            self.releasable = []
+        return out
 
 
 class _PerShapeCompiler:

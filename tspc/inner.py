@@ -125,6 +125,9 @@ class AotGraphs:
     backward: list[str] = field(default_factory=list)
     forward_gms: list[fx.GraphModule] = field(default_factory=list)
     backward_gms: list[fx.GraphModule] = field(default_factory=list)
+    # Dump hook (tspc/dump.py): wraps the backward once aot_autograd compiles it, lazily at the
+    # first backward call, so the dump can add the backward graph and what it communicated.
+    on_backward_compiled: Callable[[Callable], Callable] | None = None
 
 
 def compile_inner(
@@ -145,8 +148,12 @@ def compile_inner(
             if opts.inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx_inner
 
-                return compile_fx_inner(g, ex, is_backward=kind == "backward")
-            return make_boxed_func(g.forward)
+                fn = compile_fx_inner(g, ex, is_backward=kind == "backward")
+            else:
+                fn = make_boxed_func(g.forward)
+            if kind == "backward" and graphs.on_backward_compiled is not None:
+                fn = graphs.on_backward_compiled(fn)  # dump hook, see AotGraphs
+            return fn
 
         return compiler
 

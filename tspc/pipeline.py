@@ -1,6 +1,6 @@
 """The pass pipeline, in order, with a snapshot of the graph after each pass.
 
-    analyse -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
+    analyse -> canonicalize_attention -> classify_masks -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
             -> rewrite_mlp -> schedule_overlap -> (inner compiler: tspc/inner.py)
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 
 from tspc.passes.analyse import analyse, propagate_shapes
+from tspc.passes.canonicalize_attention import canonicalize_eager_attention
+from tspc.passes.classify_mask import classify_masks
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_gated_mlp
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
@@ -34,6 +36,8 @@ log = logging.getLogger("tspc")
 
 PIPELINE = (
     "analyse",
+    "canonicalize_attention",
+    "classify_masks",
     "match",
     "shard_sequence",
     "rewrite_attention",
@@ -90,6 +94,15 @@ def run_pipeline(
     info = analyse(gm, example_inputs)
     propagate_shapes(gm, example_inputs)
     snap("analyse")
+    eager = canonicalize_eager_attention(gm)
+    for e in eager:
+        if not e.replaced:
+            report.notes.append(f"eager attention in {e.module} left as is: {e.reason}")
+    snap("canonicalize_attention")
+    masks = classify_masks(gm)
+    report.masks = [vars(m) for m in masks]
+    propagate_shapes(gm, example_inputs)
+    snap("classify_masks")
     att_matches, att_skips = match_attention(gm, info, D)
     claimed = set()
     for m in att_matches:

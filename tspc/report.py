@@ -32,6 +32,7 @@ class CompileReport:
     entries: list[ModuleEntry] = field(default_factory=list)
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
     gathers: list[dict] = field(default_factory=list)
+    masks: list[dict] = field(default_factory=list)  # what each explicit attention mask meant
     predicted_recv_bytes: dict[str, int] = field(default_factory=dict)  # per module
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -64,6 +65,9 @@ class CompileReport:
         for e in self.entries:
             extra = f" ({e.reason})" if e.reason else ""
             lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")
+        for m in self.masks:
+            state = "recognised" if m["recognised"] else "not recognised"
+            lines.append(f"  mask ({m['module'] or m['sdpa']}): {state}: {m['detail']}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
         if self.gathers:

@@ -175,3 +175,20 @@ torch.library.register_autograd("tspc::zigzag_causal_attention", _backward, setu
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    scale: float,
+    rank: int = 0,
+    world: int = 1,
+) -> torch.Tensor:
+    """Causal attention (plus optional key padding) in the form the passes emit.
+
+    With ``world == 1`` it is plain causal attention over the whole sequence; the sequence
+    pass sets ``rank``/``world`` when the queries are this rank's zigzag chunks.
+    """
+    return zigzag_causal_attention(q, k, v, rank, world, scale, key_valid)[0]

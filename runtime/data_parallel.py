@@ -1,0 +1,36 @@
+"""Data parallelism on top of TSP: average gradients over the data-parallel axis of the mesh.
+
+Every data-parallel replica runs the same TSP graphs on its own batch, so the gradients a rank
+holds (its shards, and the replicated parameters, already summed over the TSP axis in-graph)
+are exact for its replica's loss; averaging them over the dp axis gives the gradient of the
+mean loss over the global batch, as DDP does. A post-accumulate-grad hook per parameter does it
+when the gradient is ready, so the all-reduces start during the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .group import process_group
+
+_HOOKED = WeakIdKeyDictionary()  # parameters that carry the hook (tensors hash by identity)
+
+
+def average_grads_over(params, group_name: str, size: int) -> int:
+    """Install (once per parameter) a hook averaging its gradient over ``group_name``."""
+    installed = 0
+    for p in params:
+        if not isinstance(p, torch.Tensor) or not p.requires_grad or p in _HOOKED:
+            continue
+
+        def hook(param: torch.Tensor, name=group_name, n=size) -> None:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=process_group(name))
+                param.grad.div_(n)
+
+        p.register_post_accumulate_grad_hook(hook)
+        _HOOKED[p] = True
+        installed += 1
+    return installed
