@@ -96,8 +96,28 @@ class _FakeProp(fx.Interpreter):
         return result
 
 
+_STALE_CODE = "_tspc_stale_code"
+
+
+def defer_recompile(gm: fx.GraphModule) -> None:
+    """Mark ``gm``'s Python code as out of date with its graph, to be regenerated once by the
+    next ``propagate_shapes`` (or ``recompile_if_stale``) instead of after every change:
+    regenerating a large graph's code per rewritten layer made compile time quadratic in depth.
+    """
+    setattr(gm, _STALE_CODE, True)
+
+
+def recompile_if_stale(gm: fx.GraphModule) -> None:
+    if getattr(gm, _STALE_CODE, False):
+        gm.recompile()
+        setattr(gm, _STALE_CODE, False)
+
+
 def propagate_shapes(gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-    """Record every node's fake value in ``meta['val']`` (static shapes, no real compute)."""
+    """Record every node's fake value in ``meta['val']`` (static shapes, no real compute).
+
+    Also brings ``gm``'s code up to date if a pass deferred its recompilation."""
+    recompile_if_stale(gm)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [
         mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from tspc.runtime.errors import TSPConfigError
+
 from .analyse import GraphInfo
 from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs
 
@@ -358,6 +360,12 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         raise _NoMatch("unrecognised key/value head repetition")
     if ks[1] != hq and not a["enable_gqa"] and not k_rep:
         raise _NoMatch("key heads differ from query heads without enable_gqa")
+    if world > hq:
+        raise TSPConfigError(
+            f"{module}: D={world} ranks is more than its {hq} attention heads; each rank needs "
+            f"at least one head. Use a TSP group of at most {hq} ranks (combine it with data "
+            "parallelism on a 2-D mesh for more devices)."
+        )
     if hq % world:
         raise _NoMatch(f"{hq} query heads are not divisible by D={world}")
     if hkv % world and world % hkv:

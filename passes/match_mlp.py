@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.ring_mlp import SUPPORTED_ACTIVATIONS
 
 from .analyse import GraphInfo
@@ -116,6 +117,11 @@ def match_gated_mlp(
             if shape(arg(down, 1, "weight"))[1] != inter:
                 skips.append(Skip("mlp", module, "down projection width != intermediate size"))
                 break
+            if world > inter:
+                raise TSPConfigError(
+                    f"{module}: D={world} ranks is more than its intermediate size {inter}; "
+                    f"use a TSP group of at most {inter} ranks"
+                )
             if inter % world:
                 skips.append(
                     Skip("mlp", module, f"intermediate size {inter} not divisible by D={world}")

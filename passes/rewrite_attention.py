@@ -35,7 +35,7 @@ from tspc.runtime.group import TSPGroup
 from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import STORE, ShardSpec
 
-from .analyse import GraphInfo
+from .analyse import GraphInfo, defer_recompile
 from .graph_utils import arg, is_getitem, op_name, shape, tensor_inputs, tensor_val
 from .layout import (
     Sharded,
@@ -566,7 +566,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
         if n in replaced and not n.users:
             g.erase_node(n)
     g.eliminate_dead_code()
-    gm.recompile()
+    defer_recompile(gm)  # once for all layers, by the next shape propagation
     return ret
 
 

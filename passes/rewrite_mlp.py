@@ -17,7 +17,7 @@ from tspc.runtime.group import TSPGroup
 from tspc.runtime.ring_mlp import ring_mlp
 from tspc.runtime.shard_store import STORE, ShardSpec
 
-from .analyse import GraphInfo
+from .analyse import GraphInfo, defer_recompile
 from .graph_utils import shape, tensor_val
 from .match_mlp import MlpMatch
 
@@ -97,12 +97,15 @@ def rewrite_mlp(
             ),
         )
         y.meta["tspc_role"] = "mlp_ring"
+        for key in ("recompute", "ac_graph_id", "nn_module_stack"):  # activation checkpointing
+            if key in m.down.meta:
+                y.meta[key] = m.down.meta[key]
         down_bias = m.down.args[2] if len(m.down.args) > 2 else m.down.kwargs.get("bias")
         out = g.call_function(torch.add, (y, down_bias)) if down_bias is not None else y
     m.down.replace_all_uses_with(out)
     g.erase_node(m.down)
     g.eliminate_dead_code()
-    gm.recompile()
+    defer_recompile(gm)  # once for all layers, by the next shape propagation
     elem = tensor_val(m.down_weight).element_size()
     return MlpRewrite(
         m.module,

@@ -41,6 +41,13 @@ def specialize(gm: fx.GraphModule, args: list[Any]) -> fx.GraphModule:
                 u.args = map_arg(u.args, lambda x, p=ph, v=value: v if x is p else x)
                 u.kwargs = map_arg(u.kwargs, lambda x, p=ph, v=value: v if x is p else x)
             ph.meta["val"] = value
+        elif isinstance(a, torch.Tensor) and a.dim() == 0 and not isinstance(a, torch.nn.Parameter):
+            # Dynamo passes a module's float/int attribute (a norm's eps) as a 0-d tensor when
+            # shapes are dynamic, and reads it with .item(): the value is part of the key.
+            for u in list(ph.users):
+                if u.op == "call_method" and u.target == "item":
+                    u.replace_all_uses_with(a.item())  # type: ignore[arg-type]
+                    graph.erase_node(u)
     propagate_shapes(new, args)
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method") or node.is_impure():

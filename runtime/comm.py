@@ -106,6 +106,14 @@ def _numel_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
+def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy to reduce into: fp32 for 16-bit floats, whose sums over ranks would
+    otherwise round at every step (gradients of bf16 training)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return x.to(torch.float32, memory_format=torch.contiguous_format)
+    return x.contiguous().clone()
+
+
 def _handle_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=torch.int64)
 
@@ -173,7 +181,7 @@ torch.library.register_autograd(
 @torch.library.custom_op("tspc::reduce_start", mutates_args=())
 def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) -> torch.Tensor:
     pg = process_group(group)
-    buf = x.contiguous().clone()
+    buf = _accumulation_copy(x)
     is_dst = dist.get_rank(pg) == dst
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
     nbytes = _numel_bytes(buf)
@@ -184,7 +192,8 @@ def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) ->
     def finish():
         # Non-destination ranks hold no gradient for this shard: return zeros, not the
         # partially reduced scratch that some backends leave in the buffer.
-        return buf if is_dst else buf.zero_()
+        out = buf if is_dst else buf.zero_()
+        return out.to(x.dtype)
 
     return _register([work], finish, "reduce", tag, (x,))
 
@@ -288,12 +297,12 @@ def reduce_scatter_start(
     x: torch.Tensor, dim: int, outer: int, inner: int, group: str, world: int, tag: str
 ) -> torch.Tensor:
     pg = process_group(group)
-    parts = zigzag_stack_parts(x, dim, world, outer, inner).contiguous()
+    parts = _accumulation_copy(zigzag_stack_parts(x, dim, world, outer, inner))
     out = parts.new_empty((1, *parts.shape[1:]))
     work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
     nbytes = _numel_bytes(out)
     COUNTER.record("reduce_scatter", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
-    return _register([work], lambda: out[0], "reduce_scatter", tag, (x, parts))
+    return _register([work], lambda: out[0].to(x.dtype), "reduce_scatter", tag, (x, parts))
 
 
 reduce_scatter_start.register_fake(lambda x, dim, outer, inner, group, world, tag: _handle_fake(x))
@@ -365,11 +374,11 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 @torch.library.custom_op("tspc::all_reduce_start", mutates_args=())
 def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str) -> torch.Tensor:
     pg = process_group(group)
-    buf = x.contiguous().clone()
+    buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
     nbytes = _numel_bytes(buf) * 2 * (world - 1) // world
     COUNTER.record("all_reduce", tag, recv=nbytes, sent=nbytes)
-    return _register([work], lambda: buf, "all_reduce", tag, (x,))
+    return _register([work], lambda: buf.to(x.dtype), "all_reduce", tag, (x,))
 
 
 all_reduce_start.register_fake(lambda x, op, group, world, tag: _handle_fake(x))

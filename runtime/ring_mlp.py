@@ -144,11 +144,13 @@ class RingMLP(torch.autograd.Function):
             if world == 1:
                 grad_own = grads
                 break
-            local = _pack(grads)
+            # The accumulators travel in fp32 when the weights are 16-bit: a shard's gradient
+            # is a sum over every rank's tokens and would round at each hop otherwise.
+            local = _pack([g.float() for g in grads])
             if acc_in is not None:
                 local = local + torch.ops.tspc.ring_wait(acc_in, acc_out, -1, group, world, tag)
             if last:
-                grad_own = _unpack(local, shapes)
+                grad_own = [g.to(sh.dtype) for g, sh in zip(_unpack(local, shapes), shards)]
             else:
                 acc_out = local
                 acc_in = torch.ops.tspc.ring_start(acc_out, -1, group, world, tag)

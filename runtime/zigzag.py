@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from .errors import SequenceLengthError
+
 
 def check_divisible(n: int, world: int, what: str = "sequence length") -> int:
     """Chunk length of the zigzag cut; a clear error when ``n`` does not split into 2D chunks."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     if n % (2 * world) != 0:
-        raise ValueError(
+        raise SequenceLengthError(
             f"{what} {n} is not divisible by 2*D = {2 * world} (D = {world} ranks): the zigzag "
             f"layout cuts it into 2D equal chunks. Pad the {what} to a multiple of {2 * world} "
             f"(and mask the padding), or use a D that divides it."

@@ -7,11 +7,18 @@ registers the backend); import it for the helpers: match reports, the zigzag lay
 
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict
 from tspc.report import CompileReport, last_report
+from tspc.runtime.comm import CollectiveTimeout
+from tspc.runtime.errors import SequenceLengthError, TSPConfigError
+from tspc.runtime.input_check import InputMismatchError
 from tspc.runtime.release import ReleasedParameterError, is_released
 from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 
 __all__ = [
+    "CollectiveTimeout",
     "CompileReport",
+    "InputMismatchError",
+    "SequenceLengthError",
+    "TSPConfigError",
     "ReleasedParameterError",
     "is_released",
     "last_report",

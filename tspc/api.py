@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tspc.runtime.group import process_group
-from tspc.runtime.release import allow_state_dict
+from tspc.runtime.release import allow_state_dict, tspc_internal
 from tspc.runtime.shard_store import STORE, ShardedParam
 
 
@@ -78,7 +78,7 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     A collective over the TSP group for sharded parameters: call it on every rank.
     """
     root = _root(model)
-    with allow_state_dict():
+    with allow_state_dict(), tspc_internal():
         own = root.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
     for key, t in own.items():
@@ -90,7 +90,7 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], strict: bool = True):
     """Load a full state dict: sharded parameters take their slices, the rest is copied."""
     root = _root(model)
-    with allow_state_dict():
+    with allow_state_dict(), tspc_internal():
         own = root.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

@@ -26,8 +26,10 @@ from tspc.passes.analyse import analyse
 from tspc.passes.specialize import specialize
 from tspc.runtime import comm
 from tspc.runtime.data_parallel import average_grads_over
+from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
-from tspc.runtime.release import release
+from tspc.runtime.input_check import check_same_inputs
+from tspc.runtime.release import release, tspc_internal
 from tspc.runtime.shard_store import STORE
 
 from .dump import write_dump
@@ -68,6 +70,8 @@ def _compile_static(
         try:
             result = run_pipeline(gm, example_inputs, group, opts, level, graph_id)
             break
+        except TSPConfigError:
+            raise  # a configuration the user must change: no fallback would be right
         except Exception as e:  # noqa: BLE001 - reported, then the next level runs
             if opts.strict:
                 raise TSPCompileError(
@@ -99,7 +103,15 @@ def _compile_static(
         report.notes.append(f"{name} is sharded but still used whole by this graph; not released")
     if group.dp_size > 1:
         _average_over_data_parallel(result.gm, example_inputs, group)
-    return _ReleaseAfterFirstCall(compiled, releasable)
+    checked = None
+    if opts.check_inputs and group.size > 1:
+        info = analyse(gm, example_inputs)
+        checked = [
+            (i, inp.node.name)
+            for i, inp in enumerate(info.inputs)
+            if inp.kind == "input" and isinstance(inp.example, torch.Tensor)
+        ]
+    return _ReleaseAfterFirstCall(compiled, releasable, checked, group)
 
 
 def _releasable_parameters(gm: fx.GraphModule, example_inputs: list[Any]):
@@ -134,14 +146,30 @@ class _ReleaseAfterFirstCall:
     ``torch.compile`` and the first call.
     """
 
-    def __init__(self, fn: Callable, releasable: list[torch.Tensor]):
+    def __init__(
+        self,
+        fn: Callable,
+        releasable: list[torch.Tensor],
+        checked_inputs: list[tuple[int, str]] | None = None,
+        group: TSPGroup | None = None,
+    ):
         self.fn = fn
         self.releasable = releasable
+        self.checked_inputs = checked_inputs
+        self.group = group
         if getattr(fn, "_boxed_call", False):
             self._boxed_call = True
 
     def __call__(self, *args):
-        out = self.fn(*args)
+        if self.checked_inputs:
+            flat = args[0] if getattr(self, "_boxed_call", False) else args
+            check_same_inputs(
+                [(name, flat[i]) for i, name in self.checked_inputs],
+                self.group.name,
+                self.group.size,
+            )
+        with tspc_internal():  # the graph's inputs include the released parameters, unread
+            out = self.fn(*args)
         if self.releasable:
             release(self.releasable)
             self.releasable = []
@@ -159,13 +187,16 @@ class _PerShapeCompiler:
 
     def __call__(self, *args):
         key = tuple(
-            tuple(a.shape) if isinstance(a, torch.Tensor) else (a if isinstance(a, int) else None)
+            (a.item() if a.dim() == 0 and not a.requires_grad else tuple(a.shape))
+            if isinstance(a, torch.Tensor)
+            else (a if isinstance(a, int) else None)
             for a in args
         )
         fn = self.cache.get(key)
         if fn is None:
-            static = specialize(self.gm, list(args))
-            fn = _compile_static(static, list(args), self.group, self.opts)
+            with tspc_internal():
+                static = specialize(self.gm, list(args))
+                fn = _compile_static(static, list(args), self.group, self.opts)
             self.cache[key] = fn
         return fn(*args)
 
@@ -174,7 +205,32 @@ def tsp_backend(
     gm: fx.GraphModule, example_inputs: list[Any], *, options: dict | None = None
 ) -> Callable:
     """Compile one Dynamo graph with Tensor-and-Sequence Parallel schedules."""
+    with tspc_internal():
+        return _tsp_backend(gm, example_inputs, options)
+
+
+def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
+    """A model already sharded by FSDP or DTensor-based TP: tspc must see the plain model."""
+    from torch.distributed.tensor import DTensor
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for name, ex in zip(names, example_inputs):
+        kind = None
+        if isinstance(ex, DTensor):
+            kind = "a DTensor (FSDP2 fully_shard or tensor-parallel parallelize_module)"
+        elif type(ex).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name:
+            kind = "an FSDP flat parameter"
+        if kind:
+            raise TSPConfigError(
+                f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
+                "weights and tokens itself; compile the unwrapped model with backend='tsp' "
+                "(combine with data parallelism through a 2-D mesh, see the README)."
+            )
+
+
+def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
+    _refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim)
     if opts.comm_timeout is not None:
         comm.SETTINGS.timeout_s = float(opts.comm_timeout)

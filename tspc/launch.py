@@ -94,9 +94,10 @@ def spawn(
                     f"{sorted(results) + sorted(errors)}); killed"
                 )
             if queue.empty():
-                if all(not p.is_alive() for p in procs) and queue.empty():
-                    dead = [r for r in range(world_size) if r not in results and r not in errors]
-                    raise WorkerError(f"ranks {dead} exited without reporting a result")
+                if all(not p.is_alive() for p in procs):
+                    time.sleep(0.2)  # let the last messages through the pipe
+                    if queue.empty():
+                        break
                 time.sleep(0.02)
                 continue
             rank, ok, payload = queue.get()
@@ -110,9 +111,12 @@ def spawn(
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
+    silent = [r for r in range(world_size) if r not in results and r not in errors]
+    if errors or silent:
         # Every failed rank is shown: the first to report is often only the victim of a peer
         # that died (a closed connection), and the root cause is in another rank's traceback.
         text = "\n".join(f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors))
-        raise WorkerError(f"ranks {sorted(errors)} failed\n{text}")
+        for r in silent:
+            text += f"\n--- rank {r} exited without reporting (exit code {procs[r].exitcode})"
+        raise WorkerError(f"ranks {sorted(errors) + silent} failed\n{text}")
     return [results[r] for r in range(world_size)]

@@ -40,6 +40,8 @@ class TSPOptions:
         all-gathered) — the sequence-parallel baseline; "none" runs the graph replicated.
     comm_timeout: seconds a collective may take before the run fails with an error naming it
         (also TSPC_COMM_TIMEOUT); None waits as long as the process group does.
+    check_inputs: before every call, check that all ranks passed the same inputs (one small
+        all-gather of input fingerprints per call); raises naming the input and the ranks.
     """
 
     group: Any = None
@@ -52,6 +54,7 @@ class TSPOptions:
     dump_dir: str | None = None
     schedules: str = "tsp"
     comm_timeout: float | None = None
+    check_inputs: bool = False
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -63,7 +66,7 @@ class TSPOptions:
         for name, choices in _CHOICES.items():
             if name in options and options[name] not in choices:
                 raise OptionError(f"option {name}={options[name]!r} is not one of {list(choices)}")
-        for name in ("overlap", "strict"):
+        for name in ("overlap", "strict", "check_inputs"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
         if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):

@@ -1,6 +1,6 @@
 """The pass pipeline, in order, with a snapshot of the graph after each pass.
 
-    analyse -> canonicalize_attention -> classify_masks -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
+    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
             -> rewrite_mlp -> schedule_overlap -> (inner compiler: tspc/inner.py)
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
@@ -21,6 +21,7 @@ import torch.fx as fx
 from tspc.passes.analyse import analyse, propagate_shapes
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.classify_mask import classify_masks
+from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_gated_mlp
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
@@ -35,6 +36,7 @@ from .report import CompileReport, ModuleEntry
 log = logging.getLogger("tspc")
 
 PIPELINE = (
+    "inline_checkpoints",
     "analyse",
     "canonicalize_attention",
     "classify_masks",
@@ -91,6 +93,8 @@ def run_pipeline(
         res.snapshots.append((name, gm.code))
 
     snap("captured")
+    if inline_checkpoints(gm):
+        report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
     info = analyse(gm, example_inputs)
     propagate_shapes(gm, example_inputs)
     snap("analyse")
