@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.packing import pack, unpack
-from tspc.runtime.shard_store import STORE, ShardSpec
+from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile
 from .graph_utils import arg, is_getitem, op_name, shape, tensor_inputs, tensor_val
@@ -48,6 +48,7 @@ from .layout import (
     rewrite_sizes,
 )
 from .match_attention import AttentionMatch, Projection, Skip
+from .shard_inputs import ShardInputs
 from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, sdpa_local_queries
 
 _VIEWS = ("view", "reshape")
@@ -336,12 +337,12 @@ def rewrite_attention(
     info: GraphInfo,
     match: AttentionMatch,
     group: TSPGroup,
-    shard_root: torch.nn.Module,
+    shards: ShardInputs,
 ) -> AttentionRewrite | Skip:
-    """Rewrite one matched attention in place. ``shard_root`` receives this rank's shards as
-    parameters (the graph reads them with ``get_attr``)."""
+    """Rewrite one matched attention in place; the graph reads this rank's shards from new
+    inputs that ``shards`` adds (see passes/shard_inputs.py)."""
     try:
-        return _rewrite(gm, info, match, group, shard_root)
+        return _rewrite(gm, info, match, group, shards)
     except _NotHeadLocal as e:
         return Skip("attention", match.module, f"not head-local: {e}")
 
@@ -358,7 +359,7 @@ def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node
     return seen
 
 
-def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> AttentionRewrite:
+def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) -> AttentionRewrite:
     g = gm.graph
     D, rank = group.size, group.rank
     attention = m.sdpa
@@ -430,7 +431,6 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
     step_shapes = [[comp_shape(pn, sp) for _, pn, sp in c] for c in step_comps]
     step_numel = [sum(math.prod(s) for s in shapes) for shapes in step_shapes]
 
-    params = info.by_node()
     order = {n: i for i, n in enumerate(g.nodes)}
     first_use = min(region + [m.o_linear], key=order.__getitem__)
     pack_node = None
@@ -438,15 +438,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shard_root) -> Attent
     if D > 1:
         for c in step_comps:
             for _, pnode, _ in c:
-                STORE.declare(params[pnode].example, group.name, rank, D)
+                shards.declare(pnode)
         with g.inserting_before(first_use):
             shard_nodes = []
             for cname, pnode, spec in step_comps[rank]:
-                shard = STORE.shard(params[pnode].example, spec, group.name, rank, D)
-                attr = f"tsp_{m.module.replace('.', '_')}_{cname}"
-                shard_root.register_parameter(attr, shard)
-                shard_numel += shard.numel()
-                shard_nodes.append(g.get_attr(attr))
+                node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
+                shard_numel += math.prod(comp_shape(pnode, spec))
+                shard_nodes.append(node)
             pack_node = g.call_function(pack, (shard_nodes,))
 
     tag = m.module

@@ -15,11 +15,12 @@ import torch.fx as fx
 
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.ring_mlp import ring_mlp
-from tspc.runtime.shard_store import STORE, ShardSpec
+from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile
 from .graph_utils import shape, tensor_val
 from .match_mlp import MlpMatch
+from .shard_inputs import ShardInputs
 
 
 @dataclass
@@ -37,11 +38,10 @@ def rewrite_mlp(
     info: GraphInfo,
     m: MlpMatch,
     group: TSPGroup,
-    shard_root: torch.nn.Module,
+    shards: ShardInputs,
 ) -> MlpRewrite:
     g = gm.graph
     D, rank = group.size, group.rank
-    params = info.by_node()
     f_local = m.intermediate // D
     specs = {
         "gate_w": (
@@ -69,11 +69,11 @@ def rewrite_mlp(
     with g.inserting_before(m.down):
         for name, (pnode, spec) in specs.items():
             if D > 1:
-                shard = STORE.shard(params[pnode].example, spec, group.name, rank, D)
-                attr = f"tsp_{m.module.replace('.', '_')}_{name}"
-                shard_root.register_parameter(attr, shard)
-                numel += shard.numel()
-                nodes[name] = g.get_attr(attr)
+                shards.declare(pnode)
+                nodes[name] = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{name}")
+                numel += (spec.stop - spec.start) * (
+                    shape(pnode)[1 - spec.dim] if len(shape(pnode)) == 2 else 1
+                )
             elif spec.start == 0 and spec.stop == shape(pnode)[spec.dim]:
                 nodes[name] = pnode
             else:

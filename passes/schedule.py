@@ -1,28 +1,73 @@
-"""Pass 5 — schedule for overlap: issue transfers early, wait late.
+"""Pass 5 — schedule for overlap: issue transfers early, wait late, bound what is in flight.
 
 Every collective is a ``*_start`` node and a ``*_wait`` node (``runtime/comm.py``). This pass
-moves
+only reorders nodes, in three phases over the whole graph:
 
-* each wait to just before the first node that uses its result, and
-* each start up to just after the latest of its inputs — but, within one stream of transfers
-  (same kind and layer: the D weight broadcasts of an attention, the hops of a ring), never above
-  the wait of the transfer ``lookahead`` places before it. With ``lookahead = 1`` step r+1's
-  weights are requested as soon as step r's have arrived, before step r's compute: one shard in
-  use, one in flight, as the paper's double buffering.
+1. **Waits on what compute needs** (broadcast, all-gather, ring hop) move down to just before
+   the first node that really uses the result; the free views that unpack it travel with the
+   wait, so a packed weight's wait lands at its first GEMM, not at the slicing.
+2. **Starts move up**, together with their *exclusive producers* — the compute whose only
+   purpose is the transfer (a K projection and its RoPE feeding the K all-gather, the weight
+   gradients feeding a reduce, the packing of a shard) — to just after the latest of their
+   inputs and of their *window*:
 
-It works on any FX graph that uses the tspc ops — the Dynamo-level graph and the forward and
-backward graphs aot_autograd produces — and it only reorders, so every rank (whose graphs differ
-only in constants) ends with the same order of collectives.
+   * weight transfers (every broadcast and every ring hop that carries weights, across all
+     layers, in order) form one stream: transfer i starts only after transfer i-1 has
+     arrived (``lookahead = 1``). That is the paper's double buffering: one shard in use,
+     one in flight, never more. It is also the cross-layer prefetch: layer i+1's first
+     broadcast is issued during layer i's last ring step, and a ring's first hop during the
+     attention's last head group.
+   * K/V all-gathers (every all-gather except the output gather) form one stream with a
+     window of one head group (K and V): a group is requested only when the group before it
+     has arrived. In backward the K/V inputs are saved tensors, so without the window each
+     layer's first gather would move to the top of the graph and keep a gathered head group
+     alive across the other layers' backward.
+   * gradient ring hops, reduce, reduce-scatter and all-reduce starts have no window: they go
+     as soon as their data is ready (their producers are pulled ahead of other compute).
+3. **Waits on results nobody needs soon** (reduce of a weight gradient to its owner,
+   reduce-scatter of dK/dV, all-reduce of replicated gradients) move down, together with the
+   cheap (non-GEMM) compute that consumes them, to just before their first GEMM or
+   collective user — but no later than the start of the next transfer of their kind
+   (reduce: the next one; reduce-scatter and all-reduce: the one after next). That keeps one
+   weight-gradient shard (two dK/dV or all-reduce buffers) in flight instead of a layer's worth.
+
+Within an attention head group the order becomes: weights of group r arrive, group r+1's
+weights are requested, K is projected (and rotated) and its gather issued, V is projected and
+its gather issued, Q is projected while both travel, then attention. The gather of group r+1
+cannot also overlap group r's attention: that needs group r+1's projections, hence its
+weights, before group r's output projection is done with group r's weights — a third shard.
+
+Every rank runs the same program with different constants (and, in backward, a differently
+decomposed zigzag attention kernel). Every decision here depends only on data dependencies,
+op kinds and the order of nodes that every rank shares, so the order of collective starts —
+which must be identical on every rank, or the collectives deadlock — is the same everywhere
+(tests/test_graph_schedules.py checks it).
+
+It works on any FX graph that uses the tspc ops: the Dynamo-level graph and the forward and
+backward graphs aot_autograd produces. Cost: O(n log n) plus the size of the moved regions.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+import heapq
+import operator
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
+
+# Kinds whose waits feed compute (phase 1) and those whose results are only accumulated or
+# returned (phase 3).
+INPUT_KINDS = frozenset({"broadcast", "all_gather", "ring"})
+OUTPUT_KINDS = frozenset({"reduce", "reduce_scatter", "all_reduce"})
+# Transfers of an output kind that may be in flight at once (see phase 3 above).
+OUTPUT_WINDOWS = {"reduce": 1, "reduce_scatter": 2, "all_reduce": 2}
+OUTPUT_TAG = "output"  # the gather of the graph's outputs: not part of the K/V stream
+_HOIST_PRIORITY = {"weights": 0, "kv": 1}
 
 
 @dataclass
@@ -30,12 +75,232 @@ class ScheduleReport:
     starts_moved: int = 0
     waits_moved: int = 0
     streams: int = 0
+    weight_transfers: int = 0
+    kv_gathers: int = 0
+    nodes_moved: int = 0
+    families: dict[str, int] = field(default_factory=dict)
 
 
-def _stream_key(start: fx.Node) -> tuple:
-    kind = START_KIND[start.target]
-    tag = start.args[-1] if start.args and isinstance(start.args[-1], str) else ""
-    return kind, tag
+# --------------------------------------------------------------------------- what a node is
+
+_VIEW_METHODS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "transpose",
+        "permute",
+        "t",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "flatten",
+        "unflatten",
+        "narrow",
+        "split",
+        "chunk",
+        "unbind",
+        "swapaxes",
+        "__getitem__",
+    }
+)
+_VIEW_FUNCTIONS = {
+    operator.getitem,
+    torch.narrow,
+    torch.reshape,
+    torch.transpose,
+    torch.flatten,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.permute,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.t,
+}
+_VIEW_ATEN = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+}
+# Cheap copies that pack or lay out parameters (their inputs are all graph inputs).
+_PACK_ATEN = {
+    torch.ops.aten.cat.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten._to_copy.default,
+}
+_PACK_FUNCTIONS = {torch.cat, torch.clone}
+_PACK_METHODS = frozenset({"contiguous", "clone", "to", "float", "half", "bfloat16"})
+_PACK_NAMES = frozenset({"pack"})  # tspc.runtime.packing.pack
+
+_HEAVY_ATEN = re.compile(
+    r"^(mm|addmm|bmm|baddbmm|matmul|linear|convolution\w*|_?scaled_dot_product\w*|\w*attention\w*)$"
+)
+_HEAVY_FUNCTIONS = frozenset(
+    {
+        "linear",
+        "matmul",
+        "mm",
+        "bmm",
+        "scaled_dot_product_attention",
+        "causal_attention",
+        "sdpa_local_queries",
+        "ring_mlp",
+        "conv1d",
+        "conv2d",
+    }
+)
+_HEAVY_METHODS = frozenset({"matmul", "__matmul__", "mm", "bmm"})
+
+
+def _is_start(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in START_KIND
+
+
+def _is_wait(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in WAIT_OPS
+
+
+def _is_view(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return bool(getattr(t, "is_view", False)) or t in _VIEW_ATEN
+    if t in _VIEW_FUNCTIONS:
+        return True
+    return getattr(t, "__name__", "") == "unpack"  # tspc.runtime.packing.unpack: views
+
+
+def _is_pack(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _PACK_METHODS
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t in _PACK_ATEN
+    return t in _PACK_FUNCTIONS or getattr(t, "__name__", "") in _PACK_NAMES
+
+
+def is_heavy(n: fx.Node) -> bool:
+    """GEMMs and attention kernels: the compute that transfers hide behind."""
+    if n.op == "call_method":
+        return n.target in _HEAVY_METHODS
+    if n.op != "call_function" or n.target in START_KIND or n.target in WAIT_OPS:
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return bool(_HEAVY_ATEN.match(t._opname))
+    return getattr(t, "__name__", "") in _HEAVY_FUNCTIONS
+
+
+def _is_pinned(n: fx.Node) -> bool:
+    """Nodes this pass never moves: graph inputs and outputs, collectives (moved only as
+    starts and waits), side effects and random number generation."""
+    if n.op in ("placeholder", "output", "root"):
+        return True
+    if n.op == "get_attr":
+        return False
+    if _is_start(n) or _is_wait(n):
+        return True
+    if getattr(n.target, "_nondeterministic_seeded", False):
+        return True
+    try:
+        return n.is_impure()
+    except Exception:  # noqa: BLE001 - an op fx cannot classify: leave it where it is
+        return True
+
+
+# --------------------------------------------------------------------------- node order
+
+
+class _Order:
+    """Positions of the graph's nodes as sortable integers, kept valid while nodes move.
+
+    Moving a block of nodes gives them positions inside the gap they land in; when a gap is
+    used up every node is renumbered (rare), so comparisons stay O(1) without re-enumerating
+    the graph after each move.
+    """
+
+    GAP = 1 << 24
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.pos: dict[fx.Node, int] = {}
+        self._renumber()
+
+    def _renumber(self) -> None:
+        self.pos = {n: (i + 1) * self.GAP for i, n in enumerate(self.graph.nodes)}
+        self.end = (len(self.pos) + 1) * self.GAP
+
+    def __getitem__(self, n: fx.Node) -> int:
+        return self.pos[n]
+
+    def _pos_or_end(self, n: fx.Node) -> int:
+        return self.pos.get(n, self.end)  # the graph's root sentinel sorts last
+
+    def place_after(self, anchor: fx.Node, block: list[fx.Node]) -> bool:
+        """Put ``block`` (in this order) right after ``anchor``; False if already there."""
+        inside = set(block)
+        cur = anchor
+        for b in block:
+            if cur.next is not b:
+                break
+            cur = b
+        else:
+            return False
+        nxt = anchor.next
+        while nxt in inside:
+            nxt = nxt.next
+        lo, hi = self.pos[anchor], self._pos_or_end(nxt)
+        if hi - lo <= len(block):
+            self._renumber()
+            lo, hi = self.pos[anchor], self._pos_or_end(nxt)
+        step = (hi - lo) // (len(block) + 1)
+        cur = anchor
+        for i, b in enumerate(block, 1):
+            cur.append(b)
+            self.pos[b] = lo + i * step
+            cur = b
+        return True
+
+    def place_before(self, target: fx.Node, block: list[fx.Node]) -> bool:
+        prev = target.prev
+        inside = set(block)
+        while prev in inside:
+            prev = prev.prev
+        if prev.op == "root":  # nothing before the target: cannot happen for a wait's user
+            return False
+        return self.place_after(prev, block)
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+@dataclass
+class Transfer:
+    start: fx.Node
+    wait: fx.Node | None
+    kind: str
+    tag: str
+    family: str  # "weights", "kv", or the kind for the others
+
+
+def _is_opaque_ring(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "ring_mlp"
+
+
+def _tag_of_ring(n: fx.Node) -> str:
+    return n.args[-1] if n.args and isinstance(n.args[-1], str) else ""
+
+
+def _tag(start: fx.Node) -> str:
+    return start.args[-1] if start.args and isinstance(start.args[-1], str) else ""
 
 
 def _wait_of(start: fx.Node) -> fx.Node | None:
@@ -46,44 +311,257 @@ def _wait_of(start: fx.Node) -> fx.Node | None:
     return None
 
 
+def _stream_key(start: fx.Node) -> tuple:
+    return START_KIND[start.target], _tag(start)
+
+
+def _leaves(x: fx.Node) -> Iterable[fx.Node]:
+    """What a buffer is made of, looking through views and packing copies."""
+    seen: set[fx.Node] = set()
+    stack = [x]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is_view(n) or _is_pack(n):
+            stack.extend(n.all_input_nodes)
+        else:
+            yield n
+
+
+def transfers(graph: fx.Graph) -> list[Transfer]:
+    """Every collective of the graph in issue order, with the stream family it belongs to.
+
+    A ring hop carries weights when its buffer is made of graph inputs (this rank's own shard)
+    or of what an earlier weight hop received; otherwise it carries a gradient accumulator.
+    """
+    out: list[Transfer] = []
+    weight_waits: set[fx.Node] = set()
+    for n in graph.nodes:
+        if _is_opaque_ring(n):
+            # The MLP ring before aot_autograd traces it: one node that streams every shard.
+            # Weight transfers after it may not be hoisted above it (it would put a third
+            # shard in flight during the ring); it never moves itself.
+            out.append(Transfer(n, n, "ring_mlp", _tag_of_ring(n), "weights"))
+            continue
+        if not _is_start(n):
+            continue
+        kind = START_KIND[n.target]
+        tag = _tag(n)
+        wait = _wait_of(n)
+        if kind == "broadcast":
+            family = "weights"
+        elif kind == "ring":
+            x = n.args[0]
+            ok = all(
+                leaf.op in ("placeholder", "get_attr") or leaf in weight_waits
+                for leaf in _leaves(x)
+            )
+            family = "weights" if ok else "grad_ring"
+        elif kind == "all_gather":
+            family = "output_gather" if tag == OUTPUT_TAG else "kv"
+        else:
+            family = kind
+        if family == "weights" and wait is not None:
+            weight_waits.add(wait)
+        out.append(Transfer(n, wait, kind, tag, family))
+    return out
+
+
+# --------------------------------------------------------------------------- the pass
+
+
 def schedule_overlap(gm: fx.GraphModule, lookahead: int = 1) -> ScheduleReport:
+    """Reorder ``gm`` for overlap (module docstring); ``lookahead`` weight transfers (and as
+    many K/V head groups) may be in flight beyond the one in use."""
     g = gm.graph
     report = ScheduleReport()
-    # 1. waits as late as possible
-    for node in list(g.nodes):
-        if node.op == "call_function" and node.target in WAIT_OPS and node.users:
-            order = {n: i for i, n in enumerate(g.nodes)}
-            first = min(node.users, key=order.__getitem__)
-            if first.prev is not node:
-                first.prepend(node)
-                report.waits_moved += 1
-    # 2. starts as early as their inputs and the stream's double buffering allow
-    streams: dict[tuple, list[fx.Node]] = defaultdict(list)
-    for node in g.nodes:
-        if node.op == "call_function" and node.target in START_KIND:
-            streams[_stream_key(node)].append(node)
-    report.streams = len(streams)
-    for starts in streams.values():
-        for i, start in enumerate(starts):
-            order = {n: k for k, n in enumerate(g.nodes)}
-            anchors = list(start.all_input_nodes)
-            if i >= lookahead:
-                barrier = _wait_of(starts[i - lookahead])
-                if barrier is not None:
-                    anchors.append(barrier)
-            if not anchors:
+    xfers = transfers(g)
+    if not xfers:
+        return report
+    order = _Order(g)
+    report.streams = len({(t.kind, t.tag) for t in xfers})
+    for t in xfers:
+        report.families[t.family] = report.families.get(t.family, 0) + 1
+    report.weight_transfers = report.families.get("weights", 0)
+    report.kv_gathers = report.families.get("kv", 0)
+    windows = {"weights": lookahead, "kv": 2 * lookahead}
+
+    # 1. waits on inputs of compute: down to the first real use
+    for t in xfers:
+        if t.kind not in INPUT_KINDS or t.wait is None or not t.wait.users:
+            continue
+        if _sink(order, t.wait, _is_view, bound=None):
+            report.waits_moved += 1
+
+    # 2. starts: up, with their exclusive producers, within their stream's window
+    gates: dict[fx.Node, fx.Node] = {}
+    for family, window in windows.items():
+        members = [t for t in xfers if t.family == family]
+        for i in range(window, len(members)):
+            before = members[i - window].wait
+            if before is not None:
+                gates[members[i].start] = before
+    last_placeholder = _last_placeholder(g)
+    hoisted: set[fx.Node] = set()
+    # Weight transfers claim their place first, then K/V gathers, then the rest: when two
+    # starts land behind the same node, the one processed first is issued first.
+    for t in sorted(xfers, key=lambda t: _HOIST_PRIORITY.get(t.family, len(_HOIST_PRIORITY))):
+        if t.kind == "ring_mlp":
+            continue
+        moved = _hoist(order, t.start, gates.get(t.start), last_placeholder, hoisted)
+        if moved:
+            report.starts_moved += 1
+            report.nodes_moved += moved - 1
+
+    # 3. waits on results: down with their cheap consumers, bounded by the next transfers
+    for kind, window in OUTPUT_WINDOWS.items():
+        # In issue order as phase 2 left it: the window counts transfers as they are issued.
+        members = sorted((t for t in xfers if t.kind == kind), key=lambda t: order[t.start])
+        for i, t in enumerate(members):
+            if t.wait is None:
                 continue
-            anchor = max(anchors, key=order.__getitem__)
-            if anchor.next is not start and order[anchor] < order[start]:
-                anchor.append(start)
-                report.starts_moved += 1
+            bound = members[i + window].start if i + window < len(members) else None
+            if _sink(order, t.wait, _is_cheap, bound=bound):
+                report.waits_moved += 1
+
     g.lint()
     gm.recompile()
     return report
 
 
+def _last_placeholder(g: fx.Graph) -> fx.Node:
+    last = None
+    for n in g.nodes:
+        if n.op == "placeholder":
+            last = n
+    return last if last is not None else next(iter(g.nodes))
+
+
+def _is_cheap(n: fx.Node) -> bool:
+    return not is_heavy(n) and not _is_pinned(n)
+
+
+def _sink(order: _Order, wait: fx.Node, travels, bound: fx.Node | None) -> bool:
+    """Move ``wait`` down to just before the first user that does not ``travel`` with it (or
+    before ``bound``, if that comes first); the users that travel come along."""
+    cone: set[fx.Node] = set()
+    stack = [wait]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in cone and travels(u) and not _is_pinned(u):
+                cone.add(u)
+                stack.append(u)
+    blockers = [u for n in (wait, *cone) for u in n.users if u not in cone]
+    if bound is not None:
+        blockers.append(bound)
+    if not blockers:
+        return False
+    target = min(blockers, key=order.__getitem__)
+    if order[target] <= order[wait]:
+        if bound is not None and target is bound and order[bound] < order[wait]:
+            # Already later than its window allows (its consumers are late): pull it up.
+            return order.place_before(bound, [wait])
+        return False
+    block = [wait] + sorted((c for c in cone if order[c] < order[target]), key=order.__getitem__)
+    return order.place_before(target, block)
+
+
+def _hoist(
+    order: _Order,
+    start: fx.Node,
+    gate: fx.Node | None,
+    floor: fx.Node,
+    hoisted: set[fx.Node],
+) -> int:
+    """Move ``start`` up to just after the latest of its gate and the nodes it needs that
+    cannot move; its exclusive producers come along. Returns how many nodes moved."""
+    anchor = floor
+    if gate is not None and order[gate] > order[anchor]:
+        anchor = gate
+    if order[anchor] >= order[start]:
+        if anchor is gate and order[gate] > order[start]:
+            return _delay_to(order, start, gate, hoisted)
+        return 0
+    cone: set[fx.Node] = set()
+    heap = [(-order[i], id(i), i) for i in start.all_input_nodes]
+    heapq.heapify(heap)
+    seen: set[fx.Node] = set()
+    while heap:
+        neg, _, n = heap[0]
+        if -neg <= order[anchor]:
+            break
+        heapq.heappop(heap)
+        if n in seen:
+            continue
+        seen.add(n)
+        if _may_travel(n, start, cone):
+            cone.add(n)
+            for i in n.all_input_nodes:
+                if i not in seen:
+                    heapq.heappush(heap, (-order[i], id(i), i))
+        else:
+            anchor = n  # the latest node that stays: everything left in the heap is earlier
+            break
+    # Land after what earlier starts already put behind this anchor, keeping their order.
+    block = sorted(cone, key=order.__getitem__) + [start]
+    if not order.place_after(_landing(anchor, set(block), hoisted), block):
+        return 0
+    hoisted.update(block)
+    return len(block)
+
+
+def _landing(anchor: fx.Node, block: set[fx.Node], hoisted: set[fx.Node]) -> fx.Node:
+    """Where a block placed "right after ``anchor``" goes: after what earlier starts already
+    put there (so they keep their order) and, behind a wait, after the free views that unpack
+    what arrived — a wait stays directly followed by its first use. Members of the block met
+    on the way are passed (they move with it); a node that reads one of them stops the walk."""
+    at = anchor
+    behind_wait = _is_wait(anchor)
+    nxt = anchor.next
+    while nxt.op not in ("root", "output"):
+        if nxt in block:
+            nxt = nxt.next
+            continue
+        passable = nxt in hoisted or (behind_wait and _is_view(nxt))
+        if not passable or any(i in block for i in nxt.all_input_nodes):
+            break
+        at = nxt
+        nxt = nxt.next
+    return at
+
+
+def _delay_to(order: _Order, start: fx.Node, gate: fx.Node, hoisted: set[fx.Node]) -> int:
+    """A start issued before its window opens (its gate's wait moved below it in phase 1):
+    move it down to just after the gate, so that no more than the window is in flight."""
+    if any(order[u] <= order[gate] for u in start.users):
+        return 0
+    if not order.place_after(_landing(gate, {start}, hoisted), [start]):
+        return 0
+    hoisted.add(start)
+    return 1
+
+
+def _may_travel(n: fx.Node, start: fx.Node, cone: set[fx.Node]) -> bool:
+    """Whether ``n`` may move up with ``start``: free views, packs of graph inputs, and
+    compute whose only consumers are the transfer (or other transfers, or the graph output)."""
+    if n.op == "get_attr":
+        return True
+    if n.op not in ("call_function", "call_method") or _is_pinned(n):
+        return False
+    if _is_view(n):
+        return True
+    if _is_pack(n) and all(leaf.op in ("placeholder", "get_attr") for leaf in _leaves(n)):
+        return True  # a copy of parameters: ready from the top of the graph
+    for u in n.users:
+        if u in cone or u is start or u.op == "output" or _is_start(u) or _is_wait(u):
+            continue
+        return False
+    return True
+
+
 def comm_order(gm: fx.GraphModule) -> list[tuple[str, str]]:
     """The (kind, tag) of every collective start, in issue order — equal on every rank."""
-    return [
-        _stream_key(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in START_KIND
-    ]
+    return [_stream_key(n) for n in gm.graph.nodes if _is_start(n)]

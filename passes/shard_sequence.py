@@ -331,8 +331,9 @@ class _Propagator:
                 torch.ops.tspc.all_gather_wait.default,
                 (start, x, sh.dim, sh.outer, sh.inner, True, self.group, self.D, tag),
             )
+        # Rules reason in *global* shapes: a gathered value has its input's global shape.
         set_fake_value(start)
-        set_fake_value(wait)
+        wait.meta["val"] = x.meta["val"]
         wait.meta["tspc_role"] = "seq_gather"
         wait.meta["tspc_gather_of"] = x
         self.layout[start] = None
@@ -352,7 +353,7 @@ class _Propagator:
             node = self.g.call_function(
                 zigzag_slice, (x, dim, self.rank, self.D, like.outer, like.inner)
             )
-        set_fake_value(node)
+        node.meta["val"] = x.meta["val"]  # global shape, like every value the rules see
         node.meta["tspc_role"] = "seq_slice"
         self.layout[node] = like.with_dim(dim)
         self._sliced[key] = node
@@ -404,7 +405,7 @@ class _Propagator:
             users = [u for u in src.users if not u.meta.get("tspc_keep_full")]
             with self.g.inserting_before(first):
                 sl = self.g.call_function(zigzag_slice, (src, dim, self.rank, self.D, 1, 1))
-            set_fake_value(sl)
+            sl.meta["val"] = src.meta["val"]  # global shape, like every value the rules see
             sl.meta["tspc_role"] = "seq_slice"
             for u in users:
                 replace_input(u, src, sl)

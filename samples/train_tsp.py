@@ -57,7 +57,13 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     owned = sum(p.numel() for p in tspc.parameters(model))
     total = sum(p.numel() for p in reference.parameters())
-    return {"losses": losses, "ref_losses": ref_losses, "diff": diff, "owned": owned, "total": total}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "diff": diff,
+        "owned": owned,
+        "total": total,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

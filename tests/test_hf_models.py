@@ -151,3 +151,114 @@ def test_llama_and_mistral_match_one_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_other_families_match_one_process(world):
     _check(spawn(hf_worker, world, CASES_OTHERS, timeout=900), world)
+
+
+def hf_train_worker(rank: int, world: int, attn: str) -> dict:
+    """Llama with labels and left padding: gradients of every parameter against one process."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tspc
+    from tspc.runtime.shard_store import STORE
+
+    cfg = AutoConfig.for_model("llama", **SMALL)
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).train()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    b, s = 2, 16
+    ids = torch.randint(1, 128, (b, s), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[0, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 5] = -100  # the first real token is predicted from a padding position
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    loss_ref = ref(**kwargs).loss
+    loss_ref.backward()
+    compiled = torch.compile(model, backend="tsp", fullgraph=True)
+    loss = compiled(**kwargs).loss
+    loss.backward()
+    err = 0.0
+    for (_, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        scale = p_ref.grad.abs().max().clamp_min(1e-12)
+        entry = STORE.get(p)
+        if entry is None:
+            err = max(err, ((p.grad - p_ref.grad).abs().max() / scale).item())
+            continue
+        for spec, shard in entry.shards.items():
+            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
+            err = max(err, ((shard.grad - want).abs().max() / scale).item())
+    return {
+        "loss_err": abs(loss.item() - loss_ref.item()),
+        "grad_err": err,
+        "matched": len(tspc.last_report().matched),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama_gradients_with_labels_and_padding_match_one_process(world):
+    for attn in ("sdpa",):
+        for r in spawn(hf_train_worker, world, attn, timeout=900):
+            assert r["matched"] == 4, r
+            assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+
+
+def test_strict_turns_a_skip_into_an_error_naming_the_module(fake_group):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fake_group(0, 2)
+    cfg = AutoConfig.for_model("gpt_neox", **{**SMALL, "rotary_pct": 0.5})
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    compiled = torch.compile(model, backend="tsp", options={"strict": True})
+    with pytest.raises(Exception, match=r"gpt_neox\.layers\.0\.mlp: not a gated MLP"):
+        compiled(input_ids=torch.randint(1, 128, (1, 16)))
+
+
+def break_worker(rank: int, world: int) -> dict:
+    """A graph break inside the layer loop: Dynamo then compiles the block's forward as a frame
+    of its own and reuses that one compiled graph for every layer. Each layer must still run
+    with its own shards (the graph reads them from inputs, not constants)."""
+    import tspc
+    from samples.reference_model import RefModel, build_reference_model
+
+    class Broken(RefModel):
+        def forward(self, input_ids, position_ids=None):
+            b, s = input_ids.shape
+            x = self.embed(input_ids)
+            pos = torch.arange(s).unsqueeze(0)
+            freqs = pos[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, None)
+                if i == 0:
+                    torch._dynamo.graph_break()
+            return self.lm_head(self.norm(x))
+
+    ref = build_reference_model(seed=0, num_layers=2)
+    model = Broken(ref.cfg)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    n0 = len(tspc.report.REPORTS)
+    with torch.no_grad():
+        got = torch.compile(model, backend="tsp")(ids)
+        want = ref(ids)
+    from tspc.runtime.shard_store import STORE
+
+    reports = tspc.report.REPORTS[n0:]
+    return {
+        "err": ((got - want).abs().max() / want.abs().max()).item(),
+        "graphs": [sorted(e.module for e in r.matched) for r in reports],
+        "sharded": sorted(n for n, p in model.named_parameters() if STORE.get(p) is not None),
+    }
+
+
+@pytest.mark.slow
+def test_graph_breaks_are_compiled_and_reported_per_graph():
+    for r in spawn(break_worker, 2, timeout=600):
+        assert r["err"] < 1e-5, r
+        assert ["attn", "mlp"] in r["graphs"], r  # the block's own graph, matched
+        for layer in (0, 1):  # ... run by both layers, each with its own shards
+            for w in ("attn.q_proj", "attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+                assert f"layers.{layer}.{w}.weight" in r["sharded"], (layer, w, r["sharded"])

@@ -19,8 +19,9 @@ S = 4096
 
 
 def peak_worker(rank: int, world: int, attn: str) -> dict:
-    import tspc
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tspc
     from tspc.memory import MemoryTracker
 
     cfg = LlamaConfig(

@@ -29,7 +29,7 @@ from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
-from tspc.runtime.release import release, tspc_internal
+from tspc.runtime.release import is_released, release, tspc_internal
 from tspc.runtime.shard_store import STORE
 
 from .dump import write_dump
@@ -93,16 +93,15 @@ def _compile_static(
     log.info("%s", report.summary())
     graphs = AotGraphs()
     COMPILED.append(CompiledGraph(report, result, graphs))
-    compiled = compile_inner(result.gm, example_inputs, opts, graphs)
+    full_inputs = _static_shard_examples(result.example_inputs(example_inputs), len(example_inputs))
+    compiled = compile_inner(result.gm, full_inputs, opts, graphs)
     if opts.dump_dir:
         # Writes the dump now; the wrapper rewrites it after the first call and around the
         # first backward (measured counters, the backward graph): see tspc/dump.py.
-        compiled = write_dump(opts.dump_dir, result, graphs, group, compiled, example_inputs, opts)
+        compiled = write_dump(opts.dump_dir, result, graphs, group, compiled, full_inputs, opts)
     releasable, kept = _releasable_parameters(result.gm, example_inputs)
     for name in kept:
         report.notes.append(f"{name} is sharded but still used whole by this graph; not released")
-    if group.dp_size > 1:
-        _average_over_data_parallel(result.gm, example_inputs, group)
     checked = None
     if opts.check_inputs and group.size > 1:
         info = analyse(gm, example_inputs)
@@ -111,68 +110,83 @@ def _compile_static(
             for i, inp in enumerate(info.inputs)
             if inp.kind == "input" and isinstance(inp.example, torch.Tensor)
         ]
-    return _ReleaseAfterFirstCall(compiled, releasable, checked, group)
+    return _CompiledTSPGraph(compiled, result.shard_inputs, releasable, checked, group)
 
 
-def _releasable_parameters(gm: fx.GraphModule, example_inputs: list[Any]):
-    """Full parameters this graph no longer reads (only its shards): they can be released."""
+def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
+    """The shard inputs as fake tensors of Dynamo's fake mode, with static shapes.
+
+    Inputs without a Dynamo source would otherwise get symbolic sizes from the shape
+    environment aot_autograd shares with Dynamo; the passes specialised every shape.
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    fake_mode = getattr(ctx, "fake_mode", None)
+    if fake_mode is None:
+        return inputs
+    return inputs[:n_original] + [
+        fake_mode.from_tensor(t, static_shapes=True) for t in inputs[n_original:]
+    ]
+
+
+def _releasable_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list, list]:
+    """Positions of full parameters this graph no longer reads (only their shards), and the
+    names of sharded ones it still reads whole (those are kept)."""
     releasable, kept = [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, ex in zip(placeholders, example_inputs):
-        entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
-        if entry is None:
+    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+        if not (isinstance(ex, torch.Tensor) and STORE.get(ex) is not None):
             continue
         if node.users:
             kept.append(node.name)
         else:
-            releasable.append(ex)
+            releasable.append(i)
     return releasable, kept
 
 
-def _average_over_data_parallel(gm, example_inputs, group: TSPGroup) -> None:
-    params = []
-    for ex in example_inputs:
-        if isinstance(ex, torch.nn.Parameter):
-            entry = STORE.get(ex)
-            params += list(entry.shards.values()) if entry is not None else [ex]
-    average_grads_over(params, group.dp_name, group.dp_size)
+class _CompiledTSPGraph:
+    """The compiled graph, as Dynamo calls it, with what the runtime adds around it.
 
-
-class _ReleaseAfterFirstCall:
-    """The compiled graph; after its first call the full sharded parameters are released.
-
-    Not before: the first call may be the one Dynamo uses to check the graph, and releasing at
-    compile time would free weights while the original module could still run eagerly between
-    ``torch.compile`` and the first call.
+    * Every call appends this rank's shards of the parameters actually passed
+      (``passes/shard_inputs.py``): Dynamo may run one compiled graph for several modules.
+    * After a module's first call, its full sharded parameters are released
+      (``runtime/release.py``) — not before: the first call is where their shards are cut.
+    * With data parallelism, new shards and parameters get their gradient-averaging hook.
+    * With ``check_inputs``, the ranks' inputs are compared first.
     """
 
     def __init__(
         self,
         fn: Callable,
-        releasable: list[torch.Tensor],
-        checked_inputs: list[tuple[int, str]] | None = None,
-        group: TSPGroup | None = None,
+        shard_inputs: list,
+        releasable: list[int],
+        checked_inputs: list[tuple[int, str]] | None,
+        group: TSPGroup,
     ):
         self.fn = fn
+        self.shard_inputs = [(s.param_index, s.spec) for s in shard_inputs]
         self.releasable = releasable
         self.checked_inputs = checked_inputs
         self.group = group
-        if getattr(fn, "_boxed_call", False):
-            self._boxed_call = True
+        # Dynamo calls this with the graph's inputs as positional arguments (the function
+        # aot_autograd returns takes them that way too, whatever its copied attributes say).
 
     def __call__(self, *args):
+        flat = list(args)
+        g = self.group
         if self.checked_inputs:
-            flat = args[0] if getattr(self, "_boxed_call", False) else args
-            check_same_inputs(
-                [(name, flat[i]) for i, name in self.checked_inputs],
-                self.group.name,
-                self.group.size,
-            )
-        with tspc_internal():  # the graph's inputs include the released parameters, unread
-            out = self.fn(*args)
-        if self.releasable:
-            release(self.releasable)
-            self.releasable = []
+            check_same_inputs([(name, flat[i]) for i, name in self.checked_inputs], g.name, g.size)
+        with tspc_internal():  # the inputs include released parameters, never read
+            shards = [
+                STORE.shard(flat[i], spec, g.name, g.rank, g.size) for i, spec in self.shard_inputs
+            ]
+            if g.dp_size > 1:
+                params = [a for a in flat if isinstance(a, torch.nn.Parameter)]
+                average_grads_over(shards + params, g.dp_name, g.dp_size)
+            full = flat + shards
+            out = self.fn(*full)
+        to_release = [flat[i] for i in self.releasable if not is_released(flat[i])]
+        if to_release:
+            release(to_release)
         return out
 
 

@@ -6,7 +6,12 @@
   in backward rather than save their results, so neither a layer's full weights nor the full
   K/V are kept alive between forward and backward (``tsp_partition``).
 * ``inductor`` — the same, with Inductor compiling the local compute of both graphs; the
-  collectives stay explicit extern calls that the schedule has placed.
+  collectives stay explicit extern calls where the schedule placed them. Left alone, Inductor
+  would undo the schedule: it fuses elementwise kernels of different head groups that read the
+  same tables (RoPE's cos/sin), which drags group r+1's projections — and the wait for its
+  weights — in front of group r's attention, and it reorders nodes for memory and locality.
+  So our graphs are compiled with no fusion across a collective (``_FenceChoices``) and without
+  those two reorderings; within the compute between two collectives Inductor fuses freely.
 * ``eager`` — the rewritten graph as a Python function; autograd records it op by op (debugging;
   backward then keeps the broadcast weights alive).
 
@@ -117,6 +122,80 @@ def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
+def _is_collective(n: fx.Node) -> bool:
+    return (
+        n.op == "call_function"
+        and getattr(n.target, "namespace", None) == "tspc"
+        and (n.target._opname.endswith("_start") or n.target._opname.endswith("_wait"))
+    )
+
+
+class _Segments:
+    """Which stretch of compute between two collectives each FX node belongs to.
+
+    Inductor's origins of a kernel are nodes of the graph it lowers (after its post-grad
+    passes, so the numbering is taken lazily from that graph, once per graph)."""
+
+    def __init__(self) -> None:
+        self._by_graph: dict[int, tuple[fx.Graph, dict[fx.Node, int]]] = {}
+
+    def of(self, node: fx.Node) -> int | None:
+        g = node.graph
+        entry = self._by_graph.get(id(g))
+        if entry is None or entry[0] is not g:
+            seg, index = 0, {}
+            for n in g.nodes:
+                if _is_collective(n):
+                    seg += 1
+                index[n] = seg
+            entry = self._by_graph[id(g)] = (g, index)
+        return entry[1].get(node)
+
+
+def _fence_choices():
+    """Inductor heuristics that never fuse kernels of different stretches of compute: a fused
+    kernel runs where its last input is ready, so fusing across a collective would move compute
+    over a wait (or a start after compute it was meant to overlap)."""
+    from torch._inductor.choices import InductorChoices
+
+    segments = _Segments()
+
+    def span(node) -> set[int]:
+        out: set[int] = set()
+        for sub in node.get_nodes():
+            ir_node = getattr(sub, "node", None)
+            for origin in ir_node.get_origins() if ir_node is not None else ():
+                seg = segments.of(origin)
+                if seg is not None:
+                    out.add(seg)
+        return out
+
+    class _FenceChoices(InductorChoices):
+        @staticmethod
+        def can_fuse(scheduler, node1, node2, shared_data_score) -> bool:
+            both = span(node1) | span(node2)
+            if len(both) > 1:
+                return False
+            return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
+
+    return _FenceChoices()
+
+
+def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
+    """``compile_fx_inner`` keeping the collectives' schedule (module docstring)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.virtualized import V
+
+    if not any(_is_collective(n) for n in g.graph.nodes):
+        return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
+    with (
+        inductor_config.patch(reorder_for_peak_memory=False, reorder_for_locality=False),
+        V.set_choices_handler(_fence_choices()),
+    ):
+        return compile_fx_inner(g, ex, is_backward=is_backward)
+
+
 @dataclass
 class AotGraphs:
     """The forward / backward graphs aot_autograd produced, after scheduling (for dumps)."""
@@ -125,6 +204,9 @@ class AotGraphs:
     backward: list[str] = field(default_factory=list)
     forward_gms: list[fx.GraphModule] = field(default_factory=list)
     backward_gms: list[fx.GraphModule] = field(default_factory=list)
+    # inner="inductor": the Python code Inductor generated for each graph (for dumps and tests)
+    forward_inductor_code: list[str] = field(default_factory=list)
+    backward_inductor_code: list[str] = field(default_factory=list)
     # Dump hook (tspc/dump.py): wraps the backward once aot_autograd compiles it, lazily at the
     # first backward call, so the dump can add the backward graph and what it communicated.
     on_backward_compiled: Callable[[Callable], Callable] | None = None
@@ -146,9 +228,13 @@ def compile_inner(
             (graphs.forward if kind == "forward" else graphs.backward).append(g.code)
             (graphs.forward_gms if kind == "forward" else graphs.backward_gms).append(g)
             if opts.inner == "inductor":
-                from torch._inductor.compile_fx import compile_fx_inner
-
-                fn = compile_fx_inner(g, ex, is_backward=kind == "backward")
+                fn = compile_with_inductor(g, ex, is_backward=kind == "backward")
+                code = getattr(fn, "source_code", None)
+                if code is not None:
+                    if kind == "forward":
+                        graphs.forward_inductor_code.append(code)
+                    else:
+                        graphs.backward_inductor_code.append(code)
             else:
                 fn = make_boxed_func(g.forward)
             if kind == "backward" and graphs.on_backward_compiled is not None:

@@ -27,6 +27,7 @@ from tspc.passes.match_mlp import match_gated_mlp
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
+from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
 from tspc.runtime.group import TSPGroup
 
@@ -54,6 +55,12 @@ class PipelineResult:
     gm: fx.GraphModule
     report: CompileReport
     snapshots: list[tuple[str, str]] = field(default_factory=list)  # (pass name, python code)
+    # This rank's weight shards, which the rewritten graph takes as extra inputs after the
+    # original ones (see passes/shard_inputs.py); the runtime fills them on every call.
+    shard_inputs: list[ShardInput] = field(default_factory=list)
+
+    def example_inputs(self, original: list[Any]) -> list[Any]:
+        return list(original) + [s.example for s in self.shard_inputs]
 
 
 def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -95,6 +102,7 @@ def run_pipeline(
     snap("captured")
     if inline_checkpoints(gm):
         report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
+    snap("inline_checkpoints")
     info = analyse(gm, example_inputs)
     propagate_shapes(gm, example_inputs)
     snap("analyse")
@@ -132,8 +140,9 @@ def run_pipeline(
     snap("shard_sequence")
 
     if level == "tsp" and opts.schedules == "tsp":
+        shards = ShardInputs(gm, info, group)
         for m in att_matches:
-            out = rewrite_attention(gm, info, m, group, gm)
+            out = rewrite_attention(gm, info, m, group, shards)
             if isinstance(out, AttentionRewrite):
                 details = {k: v for k, v in vars(out).items() if k not in ("module", "notes")}
                 details.update(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
@@ -143,7 +152,7 @@ def run_pipeline(
                 report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
         # One propagation for all layers: a rewrite reads only its own layer's metadata, which
         # the rewrites of other layers do not touch. It validates the rewritten graph.
-        propagate_shapes(gm, example_inputs)
+        propagate_shapes(gm, example_inputs + shards.examples)
         rewritten = {
             m.sdpa.name
             for m in att_matches
@@ -153,12 +162,13 @@ def run_pipeline(
         report.gathers = [x for x in report.gathers if x["for"] not in rewritten]
         snap("rewrite_attention")
         for m in mlp_matches:
-            out = rewrite_mlp(gm, info, m, group, gm)
+            out = rewrite_mlp(gm, info, m, group, shards)
             details = {k: v for k, v in vars(out).items() if k != "module"}
             details["intermediate"] = m.intermediate
             report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
             report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
-        propagate_shapes(gm, example_inputs)
+        propagate_shapes(gm, example_inputs + shards.examples)
+        res.shard_inputs = shards.items
         snap("rewrite_mlp")
     else:
         why = "schedules='sp'" if opts.schedules == "sp" else f"level '{level}'"

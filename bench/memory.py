@@ -1,0 +1,572 @@
+"""Per-rank peak memory: one process vs TSP, SP, TP and TP+SP at D = 2 and 4, measured.
+
+    python bench/memory.py                        # every configuration, forward and training
+    python bench/memory.py --config both --mode train
+    python bench/memory.py --quick                # tiny shapes, seconds per row (the test's run)
+
+One model, one sequence length, one table per configuration and mode. Every row is a real
+gloo run (``tspc.launch.spawn``, one intra-op thread per process) of the reference model
+wrapped with its cross-entropy loss (``tspc.measure.LossModel``: the loss is part of the
+compiled program, so TSP and SP reduce it over their local tokens instead of gathering logits):
+
+* ``one process (aot_eager)``: the model compiled with ``backend="aot_eager"`` on one process.
+  This is the reference of the ratios and of the bound: TSP's inner compiler is aot_eager with
+  the same min-cut partitioner, and the TP baselines are compiled the same way, so a ratio
+  shows what the parallel layout saves, not what a partitioner's rematerialisation saves.
+* ``one process (eager)``: the uncompiled model, for reference (what autograd alone keeps).
+* ``TSP``: ``torch.compile(model, backend="tsp")``, default options.
+* ``SP``: ``backend="tsp"`` with ``options={"schedules": "sp"}``: tokens sharded (zigzag),
+  weights replicated, K/V all-gathered.
+* ``TP`` / ``TP+SP``: torch's ``parallelize_module`` plans of ``bench/baselines.py``
+  (colwise/rowwise; plus ``SequenceParallel`` norms and sequence-sharded residuals for TP+SP),
+  compiled with ``aot_eager`` (``--baseline-backend eager`` runs them uncompiled).
+
+Measurement (``tspc.memory``): a ``MemoryTracker`` is started *before* the model is built, so
+every CPU allocation of the process is seen — weights (including full weights a backend keeps
+or releases), shards, gradients, optimizer state, activations, communication buffers. The
+first two steps warm up (the first compiles and creates the optimizer state; TSP's release of
+the full weights makes Dynamo recompile once at the second); then the tracker's peak window is
+reset — it starts at everything the process holds at that point — and the third step is
+measured. ``breakdown`` splits the peak into parameters (with buffers and shards),
+gradients, optimizer state, communication buffers and activations (everything else live at the
+peak: saved activations, the working set, logits). Nothing is subtracted or special-cased.
+
+A training step is ``zero_grad(set_to_none=True)``, forward + loss, backward, ``AdamW.step()``;
+a forward step is the loss under ``torch.no_grad()``. TSP's optimizer owns this rank's shards
+plus the unmatched parameters (``tspc.measure.optimizer_parameters``).
+
+The must-show bound, checked for the TSP rows: per-rank peak <= 1.25 * (one-process peak / D)
++ 2 weight shards, where a weight shard is one layer's matched weights / D (the attention
+projections and the gated MLP, in the model dtype): the shard a rank computes with while the
+next one is in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+MB = 1e6
+BOUND_FACTOR = 1.25
+BOUND_SHARDS = 2
+MODES = ("forward", "train")
+# Steps before the measured one: the first compiles (and TSP cuts its shards and releases the
+# full weights, which changes their class, so Dynamo recompiles once at the second).
+WARMUP_STEPS = 2
+DEVICES = (2, 4)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A reference-model shape and one sequence length (fp32, micro-batch ``batch``)."""
+
+    name: str
+    description: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    batch: int = 1
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_layers": self.layers,
+            "num_heads": self.heads,
+            "num_kv_heads": self.kv_heads,
+        }
+
+    @property
+    def layer_params(self) -> int:
+        """Matched weights per layer: q, k, v, o and gate, up, down."""
+        head_dim = self.hidden // self.heads
+        q, kv = self.heads * head_dim, self.kv_heads * head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate
+
+    def shard_bytes(self, devices: int, elem: int = 4) -> float:
+        """One weight shard: one layer's matched weights / D, in bytes (fp32)."""
+        return self.layer_params / devices * elem
+
+    def summary(self) -> str:
+        return (
+            f"h={self.hidden} I={self.intermediate} L={self.layers} heads={self.heads}/"
+            f"{self.kv_heads}kv vocab={self.vocab} B={self.batch} S={self.seq} fp32"
+        )
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "weights", "weight-dominated: short sequence, wide model",
+            hidden=512, intermediate=2048, layers=4, heads=8, kv_heads=8, vocab=1024, seq=128,
+        ),
+        BenchConfig(
+            "both", "weights and activations both matter",
+            hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, vocab=512, seq=1024,
+        ),
+        BenchConfig(
+            "activations", "activation-dominated: long sequence, narrow model",
+            hidden=128, intermediate=512, layers=2, heads=4, kv_heads=4, vocab=512, seq=4096,
+        ),
+    )
+}  # fmt: skip
+
+QUICK_CONFIGS: dict[str, BenchConfig] = {
+    c.name: c
+    for c in (
+        BenchConfig(
+            "weights", "weight-dominated (quick)",
+            hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=4, vocab=256, seq=32,
+        ),
+        BenchConfig(
+            "both", "weights and activations (quick)",
+            hidden=128, intermediate=512, layers=2, heads=4, kv_heads=4, vocab=256, seq=256,
+        ),
+        BenchConfig(
+            "activations", "activation-dominated (quick)",
+            hidden=64, intermediate=256, layers=2, heads=4, kv_heads=4, vocab=256, seq=1024,
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Scheme:
+    key: str
+    label: str
+    devices: int
+
+
+def schemes(devices: tuple[int, ...] = DEVICES) -> list[Scheme]:
+    rows = [
+        Scheme("one_aot", "one process (aot_eager)", 1),
+        Scheme("one_eager", "one process (eager)", 1),
+    ]
+    for d in devices:
+        rows += [
+            Scheme("tsp", "TSP", d),
+            Scheme("sp", "SP", d),
+            Scheme("tp", "TP", d),
+            Scheme("tp_sp", "TP+SP", d),
+        ]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# One rank (runs in a spawned gloo process)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    config: BenchConfig
+    scheme: str
+    mode: str
+    baseline_backend: str = "aot_eager"
+
+
+def _data(config: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab, (config.batch, config.seq), generator=g)
+    targets = torch.randint(0, config.vocab, (config.batch, config.seq), generator=g)
+    return ids, targets
+
+
+def _build(job: Job) -> tuple[torch.nn.Module, Any]:
+    """The (loss-wrapped) model and the callable a step runs."""
+    from bench.baselines import build_tp, build_tp_sp
+    from samples.reference_model import build_reference_model
+    from tspc.measure import LossModel
+
+    base = build_reference_model(**job.config.model_kwargs())
+    if job.scheme == "tp":
+        base = build_tp(base)
+    elif job.scheme == "tp_sp":
+        base = build_tp_sp(base)
+    model = LossModel(base)
+    if job.scheme == "one_eager":
+        return model, model
+    if job.scheme in ("tsp", "sp"):
+        options = {"schedules": "sp"} if job.scheme == "sp" else {}
+        return model, torch.compile(model, backend="tsp", options=options)
+    if job.scheme in ("tp", "tp_sp") and job.baseline_backend == "eager":
+        return model, model
+    return model, torch.compile(model, backend="aot_eager")
+
+
+def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
+    from bench.baselines import param_groups
+    from tspc.measure import optimizer_parameters
+
+    if job.scheme == "tsp":
+        params: Any = optimizer_parameters(model)
+    elif job.scheme in ("tp", "tp_sp"):
+        params = param_groups(model)  # DTensor and plain parameters in separate groups
+    else:
+        params = model.parameters()
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
+    """One rank's measured step (a ``spawn`` worker: returns plain data)."""
+    import tspc
+    from tspc.measure import is_matched_param, shards_of
+    from tspc.memory import MemoryTracker, breakdown, storage_bytes
+
+    torch.manual_seed(0)
+    n_reports = len(tspc.report.REPORTS)
+    t0 = time.perf_counter()
+    with MemoryTracker() as tracker:  # before anything is built: everything is seen
+        ids, targets = _data(job.config)
+        model, step = _build(job)
+        optimizer = None
+        for _ in range(WARMUP_STEPS):
+            if job.mode == "train":
+                step(ids, targets).backward()
+                if optimizer is None:  # after the first call: the shards exist now
+                    optimizer = _optimizer(job, model)
+                optimizer.step()  # the first creates the AdamW moments
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    step(ids, targets)
+        t1 = time.perf_counter()
+        tracker.reset_peak()  # the window starts at everything held now
+        if job.mode == "train":
+            loss = step(ids, targets)
+            loss.backward()
+            optimizer.step()
+        else:
+            with torch.no_grad():
+                loss = step(ids, targets)
+        t2 = time.perf_counter()
+        shards = shards_of(model)
+        result = breakdown(model, optimizer, extra_params=shards, tracker=tracker)
+        # Full matched weights still held (0 once the backend releases them after sharding).
+        result["full_weights"] = storage_bytes(p for p in model.parameters() if is_matched_param(p))
+        result["shards"] = storage_bytes(shards)
+    reports = tspc.report.REPORTS[n_reports:]
+    report = reports[-1] if reports else None
+    result.update(
+        loss=float(loss.detach()),
+        warmup_s=t1 - t0,
+        step_s=t2 - t1,
+        level=report.level if report else None,
+        matched=len(report.matched) if report else 0,
+        skipped=len(report.skipped) if report else 0,
+    )
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Rows and the table
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One scheme at one D: the rank with the highest peak, and every rank's peak."""
+
+    key: str
+    label: str
+    devices: int
+    peak: float
+    rank_peaks: list[float]
+    parts: dict[str, float]  # the highest rank's breakdown
+    level: str | None = None
+    matched: int = 0
+    loss: float = float("nan")
+    seconds: float = 0.0
+
+
+def make_row(scheme: Scheme, per_rank: list[dict[str, Any]], seconds: float = 0.0) -> Row:
+    peaks = [float(r["peak"]) for r in per_rank]
+    top = per_rank[max(range(len(peaks)), key=peaks.__getitem__)]
+    return Row(
+        key=scheme.key,
+        label=scheme.label,
+        devices=scheme.devices,
+        peak=max(peaks),
+        rank_peaks=peaks,
+        parts={k: float(v) for k, v in top.items() if isinstance(v, (int, float))},
+        level=top.get("level"),
+        matched=int(top.get("matched", 0)),
+        loss=float(top.get("loss", float("nan"))),
+        seconds=seconds,
+    )
+
+
+@dataclass
+class Table:
+    config: BenchConfig
+    mode: str
+    rows: list[Row] = field(default_factory=list)
+
+    def row(self, key: str, devices: int) -> Row | None:
+        return next((r for r in self.rows if r.key == key and r.devices == devices), None)
+
+    @property
+    def reference(self) -> Row:
+        ref = self.row("one_aot", 1) or self.row("one_eager", 1)
+        if ref is None:
+            raise ValueError("no one-process row")
+        return ref
+
+    def bound(self, devices: int) -> float:
+        """The must-show bound for TSP at D: 1.25 * (one-process peak / D) + 2 weight shards."""
+        return (
+            BOUND_FACTOR * self.reference.peak / devices
+            + BOUND_SHARDS * self.config.shard_bytes(devices)
+        )
+
+    def checks(self) -> list[tuple[str, bool]]:
+        """(statement, holds) for the bound and for TSP against every baseline, per D."""
+        out = []
+        for d in sorted({r.devices for r in self.rows if r.devices > 1}):
+            tsp = self.row("tsp", d)
+            if tsp is None:
+                continue
+            bound = self.bound(d)
+            out.append(
+                (
+                    f"TSP D={d}: peak {tsp.peak / MB:.2f} MB <= {BOUND_FACTOR} x one/{d} + "
+                    f"{BOUND_SHARDS} shards = {bound / MB:.2f} MB",
+                    tsp.peak <= bound,
+                )
+            )
+            others = [r for r in self.rows if r.devices == d and r.key != "tsp"]
+            if others:
+                worst = min(others, key=lambda r: r.peak)
+                out.append(
+                    (
+                        f"TSP D={d} below every baseline at D={d} (lowest: {worst.label} "
+                        f"{worst.peak / MB:.2f} MB)",
+                        all(tsp.peak < r.peak for r in others),
+                    )
+                )
+        return out
+
+
+COLUMNS = (
+    ("params", "parameters"),  # with buffers (added below) and shards
+    ("full wts", "full_weights"),
+    ("grads", "gradients"),
+    ("optim", "optimizer_state"),
+    ("activ", "activations"),
+    ("comm", "communication"),
+)
+
+
+def format_table(table: Table) -> str:
+    cfg = table.config
+    what = (
+        "training step (forward + loss + backward + AdamW)"
+        if table.mode == "train"
+        else "forward (loss under no_grad)"
+    )
+    ref = table.reference
+    lines = [
+        f"config '{cfg.name}' ({cfg.description}): {cfg.summary()}; {what}",
+        "per-rank peak in MB (1e6 B), max over ranks; the columns split that rank's peak; "
+        f"x one: peak / one-process peak ({ref.label}); x(one/D): peak / (one-process peak / D)",
+    ]
+    headers = ["scheme", "D", "peak", "x one", "x(one/D)"] + [c for c, _ in COLUMNS]
+    rows = []
+    for r in table.rows:
+        parts = dict(r.parts)
+        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
+        cells = [
+            r.label,
+            str(r.devices),
+            f"{r.peak / MB:.2f}",
+            f"{r.peak / ref.peak:.3f}",
+            f"{r.peak / (ref.peak / r.devices):.2f}",
+        ]
+        cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
+        rows.append(cells)
+    widths = [max(len(x[i]) for x in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(
+            [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        )
+
+    lines += [line(headers)] + [line(r) for r in rows]
+    lines.append(
+        "  weight shard = one layer's matched weights / D = "
+        + ", ".join(f"{cfg.shard_bytes(d) / MB:.2f} MB at D={d}" for d in _devices_in(table))
+    )
+    for text, ok in table.checks():
+        lines.append(f"  {'holds' if ok else 'FAILS'}: {text}")
+    return "\n".join(lines)
+
+
+def _devices_in(table: Table) -> list[int]:
+    return sorted({r.devices for r in table.rows if r.devices > 1})
+
+
+def markdown_table(table: Table) -> str:
+    """The same table as GitHub markdown (for the README)."""
+    ref = table.reference
+    head = "| scheme | D | peak MB | x one | x(one/D) | " + " | ".join(c for c, _ in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (5 + len(COLUMNS))]
+    for r in table.rows:
+        parts = dict(r.parts)
+        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
+        cells = [
+            r.label,
+            str(r.devices),
+            f"{r.peak / MB:.2f}",
+            f"{r.peak / ref.peak:.3f}",
+            f"{r.peak / (ref.peak / r.devices):.2f}",
+        ] + [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def run_table(
+    config: BenchConfig,
+    mode: str,
+    devices: tuple[int, ...] = DEVICES,
+    baseline_backend: str = "aot_eager",
+    only: tuple[str, ...] | None = None,
+    timeout: float = 900.0,
+    progress: Any = None,
+) -> Table:
+    """Every row of one table (one spawn per scheme and D)."""
+    from tspc.launch import spawn
+
+    table = Table(config, mode)
+    for scheme in schemes(devices):
+        if only is not None and scheme.key not in only:
+            continue
+        t = time.perf_counter()
+        job = Job(config, scheme.key, mode, baseline_backend)
+        per_rank = spawn(measure_rank, scheme.devices, job, timeout=timeout)
+        row = make_row(scheme, per_rank, time.perf_counter() - t)
+        table.rows.append(row)
+        if progress is not None:
+            progress(row)
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python bench/memory.py",
+        description="Per-rank peak memory of one process, TSP, SP, TP and TP+SP (measured).",
+    )
+    parser.add_argument(
+        "--config", choices=[*CONFIGS, "all"], default="all", help="which configuration (all)"
+    )
+    parser.add_argument("--mode", choices=[*MODES, "all"], default="all", help="(all)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (seconds per row)")
+    parser.add_argument(
+        "--devices", type=int, nargs="+", default=list(DEVICES), help="D values (2 4)"
+    )
+    parser.add_argument("--seq", type=int, default=None, help="override the sequence length")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count")
+    parser.add_argument("--hidden", type=int, default=None, help="override the hidden size")
+    parser.add_argument(
+        "--intermediate", type=int, default=None, help="override the MLP intermediate size"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="override the micro-batch")
+    parser.add_argument(
+        "--baseline-backend", choices=("aot_eager", "eager"), default="aot_eager",
+        help="how TP and TP+SP run (aot_eager, like TSP's inner compiler)",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables too")
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> list[BenchConfig]:
+    source = QUICK_CONFIGS if args.quick else CONFIGS
+    names = list(source) if args.config == "all" else [args.config]
+    out = []
+    for name in names:
+        cfg = source[name]
+        overrides = {
+            k: v
+            for k, v in (
+                ("seq", args.seq),
+                ("layers", args.layers),
+                ("hidden", args.hidden),
+                ("intermediate", args.intermediate),
+                ("batch", args.batch),
+            )
+            if v is not None
+        }
+        out.append(BenchConfig(**{**asdict(cfg), **overrides}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    modes = list(MODES) if args.mode == "all" else [args.mode]
+    devices = tuple(args.devices)
+    if any(d < 2 for d in devices):
+        parser.error("--devices must be >= 2 (the one-process rows are always included)")
+    results = []
+    for cfg in configs_from_args(args):
+        for mode in modes:
+            print(f"\n== {cfg.name} / {mode}: {cfg.summary()}", flush=True)
+            table = run_table(
+                cfg,
+                mode,
+                devices,
+                args.baseline_backend,
+                progress=lambda r: print(
+                    f"   {r.label} D={r.devices}: {r.peak / MB:.2f} MB ({r.seconds:.0f} s)",
+                    flush=True,
+                ),
+            )
+            print(format_table(table), flush=True)
+            if args.markdown:
+                print(markdown_table(table))
+            results.append(table)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                [
+                    {
+                        "config": asdict(t.config),
+                        "mode": t.mode,
+                        "rows": [asdict(r) for r in t.rows],
+                        "checks": t.checks(),
+                    }
+                    for t in results
+                ],
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the importable module's main, so that what is pickled for the spawned ranks (the
+    # worker, the job) refers to ``bench.memory`` rather than to this script's ``__main__``.
+    from bench.memory import main as _main
+
+    raise SystemExit(_main())

@@ -1,0 +1,65 @@
+"""This rank's weight shards as extra graph inputs.
+
+A compiled graph must stay a pure function of its inputs: Dynamo reuses it for every call whose
+guards match — also for *another module* with the same code (each layer of a model whose blocks
+are compiled on their own, or traced separately after a graph break). So the rewritten graph
+does not hold shards as constants; it reads each shard from a new placeholder, and the runtime
+(``tspc/backend.py``) fills those inputs on every call from the parameters actually passed:
+``STORE.shard(full_parameter, spec)`` — cut on first use, the same object afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from tspc.runtime.group import TSPGroup
+from tspc.runtime.shard_store import STORE, ShardSpec
+
+from .analyse import GraphInfo
+
+
+@dataclass
+class ShardInput:
+    param_index: int  # position of the full parameter among the graph's original inputs
+    spec: ShardSpec
+    node: fx.Node  # the placeholder the rewritten graph reads the shard from
+    example: torch.nn.Parameter  # the shard of this compile's example parameter
+
+
+class ShardInputs:
+    def __init__(self, gm: fx.GraphModule, info: GraphInfo, group: TSPGroup):
+        self.gm = gm
+        self.info = info
+        self.group = group
+        self.items: list[ShardInput] = []
+        self._index = {inp.node: i for i, inp in enumerate(info.inputs)}
+        self._cache: dict[tuple, fx.Node] = {}
+
+    def declare(self, param: fx.Node) -> None:
+        """The full parameter is sharded over the group, even where this rank holds none."""
+        g = self.group
+        STORE.declare(self.info.inputs[self._index[param]].example, g.name, g.rank, g.size)
+
+    def get(self, param: fx.Node, spec: ShardSpec, name: str) -> fx.Node:
+        """The placeholder holding this rank's ``spec`` shard of the parameter ``param``."""
+        key = (param, spec)
+        if key in self._cache:
+            return self._cache[key]
+        g = self.group
+        full = self.info.inputs[self._index[param]].example
+        shard = STORE.shard(full, spec, g.name, g.rank, g.size)
+        graph = self.gm.graph
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first):
+            node = graph.placeholder(name)
+        node.meta["tspc_shard_of"] = param.name  # its value is set by the next propagation
+        self.items.append(ShardInput(self._index[param], spec, node, shard))
+        self._cache[key] = node
+        return node
+
+    @property
+    def examples(self) -> list[torch.nn.Parameter]:
+        return [i.example for i in self.items]
