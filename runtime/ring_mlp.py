@@ -122,33 +122,46 @@ class RingMLP(torch.autograd.Function):
             w_next = None
             if world > 1 and k < world - 2:
                 w_next = torch.ops.tspc.ring_start(w_cur, -1, group, world, tag)
-            if world > 1:
-                ws = _unpack(w_cur if not last else own, shapes)
-            else:
-                ws = list(shards)
+            # The last step's shard is our own: read the saved shards themselves, so the packed
+            # copy ``own`` dies once its first hop has gone (not at the end of the ring).
+            ws = _unpack(w_cur, shapes) if world > 1 and not last else list(shards)
             wg, wu, wd = ws[:3]
             a, u = saved[2 * t], saved[2 * t + 1]
             a2 = a.reshape(-1, a.shape[-1])
             u2 = u.reshape(-1, u.shape[-1])
             act_a = act_fn(a2)
             h = act_a * u2
+            # This step's weight gradients, each added to the accumulator arriving from p+1 as
+            # soon as it is computed: the received buffer and each piece die at once, so at
+            # most one packed gradient exists besides the one in flight (computing all pieces
+            # first would also hold them, the received accumulator and the one being sent).
+            # Accumulators travel in fp32 when the weights are 16-bit: a shard's gradient is a
+            # sum over every rank's tokens and would round at each hop otherwise.
+            received = None
+            if acc_in is not None:
+                wait = torch.ops.tspc.ring_wait(acc_in, acc_out, -1, group, world, tag)
+                received = _unpack(wait, shapes)
+
+            def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
+                if world == 1:
+                    return g
+                return g.float() if received is None else g.float() + received[i]
+
             dh = g2 @ wd  # [N, F/D]
-            d_wd = g2.t() @ h  # [h, F/D]
+            d_wd = accumulate(2, g2.t() @ h)  # [h, F/D]
             da = act_grad(dh * u2, a2)
             du = dh * act_a
-            d_wg = da.t() @ x2
-            d_wu = du.t() @ x2
+            d_wg = accumulate(0, da.t() @ x2)
+            d_wu = accumulate(1, du.t() @ x2)
             step_dx = da @ wg + du @ wu
             dx = step_dx if dx is None else dx + step_dx
-            grads = [d_wg, d_wu, d_wd] + ([da.sum(0), du.sum(0)] if has_bias else [])
+            grads = [d_wg, d_wu, d_wd]
+            if has_bias:
+                grads += [accumulate(3, da.sum(0)), accumulate(4, du.sum(0))]
             if world == 1:
                 grad_own = grads
                 break
-            # The accumulators travel in fp32 when the weights are 16-bit: a shard's gradient
-            # is a sum over every rank's tokens and would round at each hop otherwise.
-            local = _pack([g.float() for g in grads])
-            if acc_in is not None:
-                local = local + torch.ops.tspc.ring_wait(acc_in, acc_out, -1, group, world, tag)
+            local = _pack(grads)
             if last:
                 grad_own = [g.to(sh.dtype) for g, sh in zip(_unpack(local, shapes), shards)]
             else:
