@@ -132,6 +132,29 @@ def test_cli_measure_json(tmp_path, capsys):
     assert out["schemes"]["TSP(D=2)"]["memory_bytes"]["total"] == measured["analytic_tsp_bytes"]
 
 
+@pytest.mark.slow
+def test_installed_cli_measures_outside_the_repository(tmp_path):
+    """The ``tspc`` command as a user runs it: from another directory, nothing on sys.path but
+    the installed package (the reference model it builds ships as ``tspc.samples``)."""
+    import os
+    import subprocess
+    import sys
+
+    config = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = ["--config", str(path), "-D", "2", "--seq", "64", "--measure", "--json"]
+    argv += ["--measure-mode", "forward", "--measure-ranks", "0", "--measure-layers", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tspc.cli", "plan", *argv],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["measured"]["max_peak_bytes"] > 0
+
+
 def test_cli_measure_rejects_ranks_outside_the_group(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--preset", "7b", "-D", "2", "--seq", "4K", "--measure", "--measure-ranks", "2"])

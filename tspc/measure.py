@@ -326,7 +326,7 @@ class LossModel(nn.Module):
 
 def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
     """The reference model's config for a planner ``ModelShape`` (optionally fewer layers)."""
-    from samples.reference_model import RefConfig
+    from tspc.samples.reference_model import RefConfig
 
     if shape.head_dim is not None and shape.head_dim != shape.hidden // shape.heads:
         raise ValueError(
@@ -485,7 +485,7 @@ def measure_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import tspc
-    from samples.reference_model import RefModel
+    from tspc.samples.reference_model import RefModel
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
