@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tspc.passes.analyse import analyse, propagate_shapes
+from tspc.passes.analyse import analyse, propagate_shapes, recompile_if_stale
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.inline_checkpoint import inline_checkpoints
@@ -97,6 +97,7 @@ def run_pipeline(
     res = PipelineResult(gm, report)
 
     def snap(name: str) -> None:
+        recompile_if_stale(gm)  # a pass may have deferred regenerating the code
         res.snapshots.append((name, gm.code))
 
     snap("captured")
@@ -113,7 +114,8 @@ def run_pipeline(
     snap("canonicalize_attention")
     masks = classify_masks(gm)
     report.masks = [vars(m) for m in masks]
-    propagate_shapes(gm, example_inputs)
+    if masks or eager:  # the graph changed: new nodes need their values
+        propagate_shapes(gm, example_inputs)
     snap("classify_masks")
     att_matches, att_skips = match_attention(gm, info, D)
     claimed = set()
@@ -150,9 +152,10 @@ def run_pipeline(
                 report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
             else:
                 report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
-        # One propagation for all layers: a rewrite reads only its own layer's metadata, which
-        # the rewrites of other layers do not touch. It validates the rewritten graph.
-        propagate_shapes(gm, example_inputs + shards.examples)
+        # No propagation here: a rewrite reads only the metadata of its own layer's original
+        # nodes, which no other rewrite touches; the one after the MLP rewrites gives every
+        # new node its value and validates the whole rewritten graph (each propagation runs
+        # every node on fake tensors: a large share of the passes' time).
         rewritten = {
             m.sdpa.name
             for m in att_matches

@@ -125,10 +125,7 @@ def _setup(ctx, inputs, output):
     ctx.has_valid = key_valid is not None
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, valid = ctx.saved_tensors
-    if not ctx.has_valid:
-        valid = None
+def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
     n_heads, kv_heads = q.shape[1], k.shape[1]
     s_full = k.shape[2]
     ke = _expand_kv(k, n_heads)
@@ -138,7 +135,7 @@ def _backward(ctx, grad_out, grad_lse):
     dq_parts = []
     dk = torch.zeros_like(ke)
     dv = torch.zeros_like(ve)
-    for (q0, q1), keys in _blocks(ctx.rank, ctx.world, s_full):
+    for (q0, q1), keys in _blocks(rank, world, s_full):
         go = grad_out[:, :, q0:q1]
         qc = q[:, :, q0:q1]
         oc = out[:, :, q0:q1]
@@ -156,7 +153,7 @@ def _backward(ctx, grad_out, grad_lse):
                 0.0,
                 causal,
                 attn_mask=mask,
-                scale=ctx.scale,
+                scale=scale,
             )
             dqc = dq_b if dqc is None else dqc + dq_b
             dk[:, :, k0:k1] += dk_b
@@ -167,6 +164,42 @@ def _backward(ctx, grad_out, grad_lse):
         rep = n_heads // kv_heads
         dk = dk.unflatten(1, (kv_heads, rep)).sum(2)
         dv = dv.unflatten(1, (kv_heads, rep)).sum(2)
+    return dq, dk, dv
+
+
+# The backward is an op of its own, so aot_autograd records it as one node instead of tracing
+# its 2D block kernels, slices and accumulations into the joint graph: per layer and head group
+# that was most of the nodes the partitioner and the schedule had to process (compile time).
+@torch.library.custom_op("tspc::zigzag_causal_attention_backward", mutates_args=())
+def zigzag_causal_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rank: int,
+    world: int,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dq, dk, dv) of ``zigzag_causal_attention`` given its output and lse."""
+    dq, dk, dv = _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, key_valid)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@zigzag_causal_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, rank, world, scale, key_valid=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, valid = ctx.saved_tensors
+    if not ctx.has_valid:
+        valid = None
+    dq, dk, dv = torch.ops.tspc.zigzag_causal_attention_backward(
+        grad_out, q, k, v, out, lse, ctx.rank, ctx.world, ctx.scale, valid
+    )
     return dq, dk, dv, None, None, None, None
 
 
