@@ -120,6 +120,17 @@ def train_worker(rank: int, world: int, case: dict) -> dict:
         for p in tspc.parameters(root)
         if id(p) in shard_ids
     )
+    # the matched weights this rank still holds: its shards (the full tensors are released)
+    res["shard_bytes"] = sum(
+        s.untyped_storage().nbytes()
+        for _, q in model.named_parameters()
+        for s in STORE.shards_of(q).values()
+    )
+    res["full_weight_bytes"] = sum(
+        p_ref.nbytes
+        for (_, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters())
+        if STORE.get(p) is not None
+    )
     # one process: the full matched weights' gradient + two AdamW moments
     res["full_opt_bytes"] = sum(
         3 * p_ref.nbytes
@@ -176,8 +187,9 @@ def test_training_matches_one_process(world, case):
     for name, specs in cover.items():
         assert len(specs) == len(set(specs)), name
     if case["model"]["num_kv_heads"] % world == 0:
-        # gradients + AdamW moments of the matched weights: exactly 1/D of one process
+        # the matched weights, their gradients and AdamW moments: exactly 1/D of one process
         for r in results:
+            assert r["shard_bytes"] * world == r["full_weight_bytes"], (r["shard_bytes"], world)
             assert r["opt_bytes"] * world == r["full_opt_bytes"], (r["opt_bytes"], world)
 
 
