@@ -34,3 +34,40 @@ def count_collectives(gm: fx.GraphModule) -> Counter:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def grad_error(ref: torch.nn.Module, model: torch.nn.Module) -> tuple[float, dict[str, list]]:
+    """Largest relative gradient error of ``model`` (compiled with tspc, after backward) against
+    ``ref`` (the same model run in one process), over every parameter: a sharded parameter's
+    gradient lives on this rank's shards and is compared with the matching slice of ``ref``'s.
+    Also returns, per sharded parameter name, the (dim, start, stop) ranges this rank holds."""
+    from tspc.runtime.shard_store import STORE
+
+    err, owned = 0.0, {}
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        scale = p_ref.grad.abs().max().clamp_min(1e-12)
+        entry = STORE.get(p)
+        if entry is None:
+            err = max(err, ((p.grad - p_ref.grad).abs().max() / scale).item())
+            continue
+        for spec, shard in entry.shards.items():
+            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
+            err = max(err, ((shard.grad - want).abs().max() / scale).item())
+            owned.setdefault(name, []).append((spec.dim, spec.start, spec.stop))
+    return err, owned
+
+
+def compile_reference_step(**model_kw):
+    """Compile the 2-layer reference model with ``backend="tsp"`` as this process's rank of the
+    current process group, run one forward and backward, and return the ``CompiledGraph``."""
+    from samples.reference_model import build_reference_model
+    from tspc.backend import COMPILED
+
+    torch._dynamo.reset()  # one process plays several ranks: never reuse another rank's graph
+    model = build_reference_model(num_layers=2, **model_kw)
+    ids = torch.randint(0, 256, (2, 32))
+    COMPILED.clear()
+    out = torch.compile(model, backend="tsp")(ids)
+    out.float().sum().backward()
+    (cg,) = COMPILED
+    return cg

@@ -8,6 +8,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from samples.reference_model import RefModel, build_reference_model
+from tests.helpers import grad_error
 from tspc.launch import spawn
 
 
@@ -36,17 +37,7 @@ def ac_worker(rank: int, world: int) -> dict:
     rep = tspc.last_report()
     fwd = COMPILED[-1].aot.forward_gms[0]
     tagged = sum(1 for n in COMPILED[-1].pipeline.gm.graph.nodes if "recompute" in n.meta)
-    from tspc.runtime.shard_store import STORE
-
-    err = 0.0
-    for (_, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        entry = STORE.get(p)
-        if entry is None:
-            err = max(err, ((p.grad - p_ref.grad).abs().max() / p_ref.grad.abs().max()).item())
-            continue
-        for spec, shard in entry.shards.items():
-            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
-            err = max(err, ((shard.grad - want).abs().max() / p_ref.grad.abs().max()).item())
+    err, _ = grad_error(ref, model)
     saved = len([a for a in next(n for n in fwd.graph.nodes if n.op == "output").args[0]])
     return {
         "matched": sorted(e.module for e in rep.matched),

@@ -10,20 +10,13 @@ import pytest
 import torch
 
 from samples.reference_model import build_reference_model
-from tests.helpers import count_collectives
+from tests.helpers import compile_reference_step, count_collectives
 from tspc.backend import COMPILED
 
 
 def compile_and_run(world: int, rank: int, fake_group, **model_kw):
     fake_group(rank, world)
-    torch._dynamo.reset()  # one process plays several ranks: never reuse another rank's graph
-    model = build_reference_model(num_layers=2, **model_kw)
-    ids = torch.randint(0, 256, (2, 32))
-    COMPILED.clear()
-    out = torch.compile(model, backend="tsp")(ids)
-    out.float().sum().backward()
-    (cg,) = COMPILED
-    return cg
+    return compile_reference_step(**model_kw)
 
 
 def per_tag(counter, op):

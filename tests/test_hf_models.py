@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import grad_error
 from tspc.launch import spawn
 
 SMALL = dict(
@@ -158,7 +159,6 @@ def hf_train_worker(rank: int, world: int, attn: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tspc
-    from tspc.runtime.shard_store import STORE
 
     cfg = AutoConfig.for_model("llama", **SMALL)
     cfg._attn_implementation = attn
@@ -178,16 +178,7 @@ def hf_train_worker(rank: int, world: int, attn: str) -> dict:
     compiled = torch.compile(model, backend="tsp", fullgraph=True)
     loss = compiled(**kwargs).loss
     loss.backward()
-    err = 0.0
-    for (_, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        scale = p_ref.grad.abs().max().clamp_min(1e-12)
-        entry = STORE.get(p)
-        if entry is None:
-            err = max(err, ((p.grad - p_ref.grad).abs().max() / scale).item())
-            continue
-        for spec, shard in entry.shards.items():
-            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
-            err = max(err, ((shard.grad - want).abs().max() / scale).item())
+    err, _ = grad_error(ref, model)
     return {
         "loss_err": abs(loss.item() - loss_ref.item()),
         "grad_err": err,

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from samples.reference_model import build_reference_model
-from tspc.backend import COMPILED
+from tests.helpers import compile_reference_step
 from tspc.graph_comm import read_schedule
 from tspc.passes.schedule import is_heavy, transfers
 
@@ -32,13 +31,7 @@ def _compile(world: int, rank: int, **model_kw):
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        torch._dynamo.reset()
-        model = build_reference_model(num_layers=2, **model_kw)
-        ids = torch.randint(0, 256, (2, 32))
-        COMPILED.clear()
-        out = torch.compile(model, backend="tsp")(ids)
-        out.float().sum().backward()
-        (cg,) = COMPILED
+        cg = compile_reference_step(**model_kw)
         return cg.aot.forward_gms[0], cg.aot.backward_gms[0]
     finally:
         dist.destroy_process_group()

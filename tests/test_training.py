@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import grad_error
 from tspc.launch import spawn
 
 
@@ -72,20 +73,7 @@ def train_worker(rank: int, world: int, case: dict) -> dict:
     loss.backward()
     from tspc.runtime.shard_store import STORE
 
-    owned = {}  # parameter name -> list of (spec, grad) this rank holds
-    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        entry = STORE.get(p)
-        scale = p_ref.grad.abs().max().clamp_min(1e-12)
-        if entry is None:
-            res["grad_err"] = max(
-                res["grad_err"], ((p.grad - p_ref.grad).abs().max() / scale).item()
-            )
-            continue
-        for spec, shard in entry.shards.items():
-            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
-            err = ((shard.grad - want).abs().max() / scale).item()
-            res["grad_err"] = max(res["grad_err"], err)
-            owned.setdefault(name, []).append((spec.dim, spec.start, spec.stop))
+    res["grad_err"], owned = grad_error(ref, model)
     res["owned"] = owned
     res["released"] = sorted(n for n, p in model.named_parameters() if tspc.is_released(p))
     res["released_storage_bytes"] = sum(

@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tspc.passes.schedule import schedule_overlap
+from tspc.runtime.comm import START_KIND, WAIT_OPS
 
 from .options import TSPOptions
 
@@ -123,11 +124,7 @@ def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
 
 
 def _is_collective(n: fx.Node) -> bool:
-    return (
-        n.op == "call_function"
-        and getattr(n.target, "namespace", None) == "tspc"
-        and (n.target._opname.endswith("_start") or n.target._opname.endswith("_wait"))
-    )
+    return n.op == "call_function" and (n.target in START_KIND or n.target in WAIT_OPS)
 
 
 class _Segments:
