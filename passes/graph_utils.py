@@ -94,6 +94,31 @@ def tensor_inputs(node: fx.Node, include_tuples: bool = False) -> list[fx.Node]:
     return seen
 
 
+def erase_unused(graph: fx.Graph, nodes: Any) -> int:
+    """Erase ``nodes`` that have no users and no side effects, then whatever that leaves
+    unused upstream, transitively; returns how many were erased.
+
+    Dead-code elimination local to a rewritten region: ``Graph.eliminate_dead_code`` walks
+    (and lints) the whole graph, and a per-layer rewrite calling it made the passes quadratic
+    in depth."""
+    erased = 0
+    work = list(nodes)
+    while work:
+        n = work.pop()
+        if (
+            n._erased  # already gone (here, or by the caller)
+            or n.graph is not graph
+            or n.op in ("placeholder", "output")
+            or n.users
+            or n.is_impure()
+        ):
+            continue
+        work.extend(n.all_input_nodes)
+        graph.erase_node(n)
+        erased += 1
+    return erased
+
+
 def replace_input(node: fx.Node, old: fx.Node, new: fx.Node) -> None:
     node.args = map_arg(node.args, lambda a: new if a is old else a)
     node.kwargs = map_arg(node.kwargs, lambda a: new if a is old else a)

@@ -205,13 +205,16 @@ def _forward_reach(src: fx.Node, limit: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _backward_reach(dst: fx.Node) -> set[fx.Node]:
+def _backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:
+    """The tensor nodes ``dst`` depends on, from ``start`` on in graph order (nodes before
+    ``start`` cannot lie on a path from it; stopping there keeps each call local to one layer
+    instead of walking back through every earlier layer)."""
     seen = {dst}
     queue = deque([dst])
     while queue:
         n = queue.popleft()
         for i in tensor_inputs(n, include_tuples=True):
-            if i not in seen:
+            if i not in seen and not i < start:
                 seen.add(i)
                 queue.append(i)
     return seen
@@ -223,7 +226,7 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
     w = arg(linear, 1, "weight")
     b = arg(linear, 2, "bias")
     out_features = shape(w)[0]
-    on_path = _backward_reach(target)
+    on_path = _backward_reach(target, linear)
     users = [u for u in linear.users if u in on_path]
     if len(users) != 1:
         return Projection(linear, w, b, 0, out_features, linear)

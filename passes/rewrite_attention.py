@@ -36,7 +36,15 @@ from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile
-from .graph_utils import arg, is_getitem, op_name, shape, tensor_inputs, tensor_val
+from .graph_utils import (
+    arg,
+    erase_unused,
+    is_getitem,
+    op_name,
+    shape,
+    tensor_inputs,
+    tensor_val,
+)
 from .layout import (
     Sharded,
     map_broadcast,
@@ -560,10 +568,12 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     # elimination keeps them), so they are erased explicitly, users first.
     replaced = region_set | set(m.repeat_nodes) | {m.o_linear, attention}
     replaced |= set(old_gathers) | {n.args[0] for n in old_gathers}
-    for n in reversed(list(g.nodes)):
-        if n in replaced and not n.users:
+    upstream: list[fx.Node] = []
+    for n in sorted(replaced, reverse=True):  # fx nodes order as in the graph: users first
+        if not n.users:
+            upstream += n.all_input_nodes
             g.erase_node(n)
-    g.eliminate_dead_code()
+    erase_unused(g, upstream)
     defer_recompile(gm)  # once for all layers, by the next shape propagation
     return ret
 

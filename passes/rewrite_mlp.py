@@ -18,7 +18,7 @@ from tspc.runtime.ring_mlp import ring_mlp
 from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile
-from .graph_utils import shape, tensor_val
+from .graph_utils import erase_unused, shape, tensor_val
 from .match_mlp import MlpMatch
 from .shard_inputs import ShardInputs
 
@@ -103,8 +103,9 @@ def rewrite_mlp(
         down_bias = m.down.args[2] if len(m.down.args) > 2 else m.down.kwargs.get("bias")
         out = g.call_function(torch.add, (y, down_bias)) if down_bias is not None else y
     m.down.replace_all_uses_with(out)
+    upstream = m.down.all_input_nodes
     g.erase_node(m.down)
-    g.eliminate_dead_code()
+    erase_unused(g, upstream)  # the gate/up projections and the activation, now unused
     defer_recompile(gm)  # once for all layers, by the next shape propagation
     elem = tensor_val(m.down_weight).element_size()
     return MlpRewrite(

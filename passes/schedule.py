@@ -506,31 +506,52 @@ def _hoist(
             anchor = n  # the latest node that stays: everything left in the heap is earlier
             break
     # Land after what earlier starts already put behind this anchor, keeping their order.
-    block = sorted(cone, key=order.__getitem__) + [start]
-    if not order.place_after(_landing(anchor, set(block), hoisted), block):
+    at, absorbed = _landing(anchor, cone | {start}, hoisted)
+    block = sorted(cone | absorbed, key=order.__getitem__) + [start]
+    if not order.place_after(at, block):
         return 0
     hoisted.update(block)
     return len(block)
 
 
-def _landing(anchor: fx.Node, block: set[fx.Node], hoisted: set[fx.Node]) -> fx.Node:
+def _landing(
+    anchor: fx.Node, block: set[fx.Node], hoisted: set[fx.Node]
+) -> tuple[fx.Node, set[fx.Node]]:
     """Where a block placed "right after ``anchor``" goes: after what earlier starts already
     put there (so they keep their order) and, behind a wait, after the free views that unpack
     what arrived — a wait stays directly followed by its first use. Members of the block met
-    on the way are passed (they move with it); a node that reads one of them stops the walk."""
+    on the way are passed (they move with it). Behind a wait, a free view that reads a block
+    member joins the block (returned as the second item): one split of a packed buffer feeds
+    every weight's view, and the split moving with one projection must not leave the other
+    views — and whatever earlier starts put behind them — stranded ahead of the block. Any
+    other node that reads a block member stops the walk."""
     at = anchor
-    behind_wait = _is_wait(anchor)
+    # what arrived and its views (a block member that is one still unpacks it)
+    unpacked = {anchor} if _is_wait(anchor) else set()
+    absorbed: set[fx.Node] = set()
+    members = set(block)
     nxt = anchor.next
     while nxt.op not in ("root", "output"):
-        if nxt in block:
+        if nxt in members:
+            if _is_view(nxt) and any(i in unpacked for i in nxt.all_input_nodes):
+                unpacked.add(nxt)
             nxt = nxt.next
             continue
-        passable = nxt in hoisted or (behind_wait and _is_view(nxt))
-        if not passable or any(i in block for i in nxt.all_input_nodes):
+        free_view = _is_view(nxt) and any(i in unpacked for i in nxt.all_input_nodes)
+        reads_block = any(i in members for i in nxt.all_input_nodes)
+        if free_view and reads_block:
+            absorbed.add(nxt)
+            members.add(nxt)
+            unpacked.add(nxt)
+            nxt = nxt.next
+            continue
+        if not (nxt in hoisted or free_view) or reads_block:
             break
+        if free_view:
+            unpacked.add(nxt)
         at = nxt
         nxt = nxt.next
-    return at
+    return at, absorbed
 
 
 def _delay_to(order: _Order, start: fx.Node, gate: fx.Node, hoisted: set[fx.Node]) -> int:
@@ -538,8 +559,9 @@ def _delay_to(order: _Order, start: fx.Node, gate: fx.Node, hoisted: set[fx.Node
     move it down to just after the gate, so that no more than the window is in flight."""
     if any(order[u] <= order[gate] for u in start.users):
         return 0
-    if not order.place_after(_landing(gate, {start}, hoisted), [start]):
-        return 0
+    at, absorbed = _landing(gate, {start}, hoisted)
+    if absorbed or not order.place_after(at, [start]):
+        return 0  # (a start read by a view cannot happen: starts return handles)
     hoisted.add(start)
     return 1
 

@@ -13,9 +13,8 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
-    out, off = [], 0
-    for s in shapes:
-        n = math.prod(s)
-        out.append(flat[off : off + n].view(tuple(s)))
-        off += n
-    return tuple(out)
+    # One split, not a slice per tensor: the split's gradient is a single concatenation,
+    # where slices each scatter into a zero buffer of the packed size that are then summed
+    # (a backward node per tensor and D packed-size buffers per step).
+    sizes = [math.prod(s) for s in shapes]
+    return tuple(p.view(tuple(s)) for p, s in zip(torch.split(flat, sizes), shapes))

@@ -18,6 +18,7 @@ the shards in the store.
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -126,22 +127,60 @@ def allow_state_dict() -> Iterator[None]:
 def owner_modules_of(params: list[torch.Tensor]) -> dict[int, list[nn.Module]]:
     """For each of ``params`` (by id), the modules that hold it in their ``_parameters``.
 
-    Found through the GC graph (the backend sees parameters, never the module that owns them):
-    parameter -> its ``_parameters`` dict -> the module (or the instance ``__dict__`` between
-    them). ``gc.get_referrers`` scans the whole heap per call, so all parameters are looked up
-    together: three scans in all, not three per parameter (that was most of the compile time
-    of a 32-layer model)."""
+    The backend sees parameters, never the module that owns them. Release runs inside the
+    compiled model's call, so the modules on the Python call stack (the compiled module, or a
+    model the compiled function was handed) are searched first, with all their submodules;
+    only parameters not found there are looked up through the GC graph, which scans the whole
+    heap (right after compiling the heap is large: ~1 s per scan for a 32-layer model).
+
+    A parameter also held by a module outside every module on the stack (weights tied to an
+    unrelated model object) gets the hooks only on the modules found."""
     wanted = {id(p) for p in params}
     owners: dict[int, list[nn.Module]] = {id(p): [] for p in params}
     if not params:
         return owners
+    _add_owners(_modules_on_stack(), wanted, owners)
+    missing = [p for p in params if not owners[id(p)]]
+    if missing:
+        _add_owners(_modules_referring_to(missing), wanted, owners)
+    return owners
+
+
+def _add_owners(roots: Iterable[nn.Module], wanted: set[int], owners) -> None:
+    seen: set[int] = set()
+    for root in roots:
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for v in m.__dict__.get("_parameters", {}).values():
+                if v is not None and id(v) in wanted and not any(o is m for o in owners[id(v)]):
+                    owners[id(v)].append(m)
+
+
+def _modules_on_stack() -> list[nn.Module]:
+    found: dict[int, nn.Module] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        for v in frame.f_locals.values():
+            if isinstance(v, nn.Module):
+                found.setdefault(id(v), v)
+        frame = frame.f_back
+    return list(found.values())
+
+
+def _modules_referring_to(params: list[torch.Tensor]) -> list[nn.Module]:
+    """Modules whose ``_parameters`` dict holds one of ``params``, through ``gc.get_referrers``
+    (parameter -> its ``_parameters`` dict -> the module, or the instance ``__dict__``
+    between them): three heap scans for all parameters together."""
+    wanted = {id(p) for p in params}
     param_dicts = [
         d
         for d in gc.get_referrers(*params)
         if isinstance(d, dict) and any(id(v) in wanted for v in d.values())
     ]
     if not param_dicts:
-        return owners
+        return []
     by_id = {id(d): d for d in param_dicts}
     modules: list[nn.Module] = []
     instance_dicts = []
@@ -154,15 +193,7 @@ def owner_modules_of(params: list[torch.Tensor]) -> dict[int, list[nn.Module]]:
         for holder in gc.get_referrers(*instance_dicts):
             if isinstance(holder, nn.Module) and id(holder.__dict__.get("_parameters")) in by_id:
                 modules.append(holder)
-    seen: set[int] = set()
-    for m in modules:
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        for v in m.__dict__["_parameters"].values():
-            if v is not None and id(v) in wanted and not any(o is m for o in owners[id(v)]):
-                owners[id(v)].append(m)
-    return owners
+    return modules
 
 
 def owner_modules(param: torch.Tensor) -> list[nn.Module]:

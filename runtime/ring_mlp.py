@@ -24,12 +24,11 @@ both directions into graphs where every hop is a visible node and the compute ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
 from .comm import ring_hop
+from .packing import pack, unpack
 
 # Activations the ring supports, with their derivative (grad, pre-activation) -> grad.
 _ACT = {
@@ -46,21 +45,6 @@ _ACT = {
 SUPPORTED_ACTIVATIONS = tuple(_ACT)
 
 
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
-        out.append(flat[off : off + n].view(s))
-        off += n
-    return out
-
-
 def _step_forward(x, w_gate, w_up, w_down, b_gate, b_up, act):
     a = F.linear(x, w_gate, b_gate)
     u = F.linear(x, w_up, b_up)
@@ -73,7 +57,7 @@ class RingMLP(torch.autograd.Function):
         has_bias = b_gate is not None
         shards = [w_gate, w_up, w_down] + ([b_gate, b_up] if has_bias else [])
         shapes = [t.shape for t in shards]
-        own = _pack(shards) if world > 1 else None
+        own = pack(shards) if world > 1 else None
         cur = own
         y = None
         saved = []
@@ -83,7 +67,7 @@ class RingMLP(torch.autograd.Function):
                 # Issue the next hop before this step's compute: it travels while we compute.
                 nxt = torch.ops.tspc.ring_start(cur, 1, group, world, tag)
             if world > 1:
-                ws = _unpack(cur, shapes)
+                ws = unpack(cur, shapes)
                 wg, wu, wd = ws[:3]
                 bg, bu = (ws[3], ws[4]) if has_bias else (None, None)
             else:
@@ -105,7 +89,7 @@ class RingMLP(torch.autograd.Function):
         act_fn, act_grad = _ACT[act]
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        own = _pack(shards) if world > 1 else None
+        own = pack(shards) if world > 1 else None
         # Backward step k handles forward step t = D-1-k, i.e. shard p+1+k. Its weights come
         # from p+1 (shift -1); the last step's shard is our own.
         if world > 1:
@@ -124,7 +108,7 @@ class RingMLP(torch.autograd.Function):
                 w_next = torch.ops.tspc.ring_start(w_cur, -1, group, world, tag)
             # The last step's shard is our own: read the saved shards themselves, so the packed
             # copy ``own`` dies once its first hop has gone (not at the end of the ring).
-            ws = _unpack(w_cur, shapes) if world > 1 and not last else list(shards)
+            ws = unpack(w_cur, shapes) if world > 1 and not last else list(shards)
             wg, wu, wd = ws[:3]
             a, u = saved[2 * t], saved[2 * t + 1]
             a2 = a.reshape(-1, a.shape[-1])
@@ -140,7 +124,7 @@ class RingMLP(torch.autograd.Function):
             received = None
             if acc_in is not None:
                 wait = torch.ops.tspc.ring_wait(acc_in, acc_out, -1, group, world, tag)
-                received = _unpack(wait, shapes)
+                received = unpack(wait, shapes)
 
             def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
                 if world == 1:
@@ -161,9 +145,9 @@ class RingMLP(torch.autograd.Function):
             if world == 1:
                 grad_own = grads
                 break
-            local = _pack(grads)
+            local = pack(grads)
             if last:
-                grad_own = [g.to(sh.dtype) for g, sh in zip(_unpack(local, shapes), shards)]
+                grad_own = [g.to(sh.dtype) for g, sh in zip(unpack(local, shapes), shards)]
             else:
                 acc_out = local
                 acc_in = torch.ops.tspc.ring_start(acc_out, -1, group, world, tag)

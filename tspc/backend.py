@@ -13,6 +13,8 @@ ranks compile the same graphs.
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
 import logging
 from collections.abc import Callable
@@ -59,6 +61,30 @@ class TSPCompileError(RuntimeError):
     """The passes could not handle the model and ``strict`` was requested."""
 
 
+def _gc_paused(fn: Callable) -> Callable:
+    """Run ``fn`` with Python's cyclic garbage collector paused.
+
+    Compiling builds hundreds of thousands of short-lived objects (FX nodes, fake tensors,
+    the min-cut partitioner's networkx graph), and each automatic collection also walks the
+    large heap that Dynamo and aot_autograd hold at that moment: for a 32-layer model about a
+    third of the passes' time and half of the partitioner's went to the collector. The cycles
+    made while paused are freed by the next collection after it (torch's distributed
+    checkpointing pauses the collector around its state-dict walk for the same reason)."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def _compile_static(
     gm: fx.GraphModule, example_inputs: list[Any], group: TSPGroup, opts: TSPOptions
 ) -> Callable:

@@ -20,6 +20,7 @@ Both aot variants run the overlap scheduler on the forward and the backward grap
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,9 @@ _VIEW_OPS = {
     torch.ops.aten.view.default,
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.slice.Tensor,
+    torch.ops.aten.split_with_sizes.default,  # runtime/packing.unpack
+    torch.ops.aten.split.Tensor,
+    operator.getitem,  # the pieces of a split
     torch.ops.aten.t.default,
     torch.ops.aten.permute.default,
     torch.ops.aten.transpose.int,

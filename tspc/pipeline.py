@@ -18,7 +18,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tspc.passes.analyse import analyse, propagate_shapes, recompile_if_stale
+from tspc.passes.analyse import (
+    adopt_static_values,
+    analyse,
+    propagate_shapes,
+    recompile_if_stale,
+)
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.inline_checkpoint import inline_checkpoints
@@ -97,15 +102,19 @@ def run_pipeline(
     res = PipelineResult(gm, report)
 
     def snap(name: str) -> None:
-        recompile_if_stale(gm)  # a pass may have deferred regenerating the code
-        res.snapshots.append((name, gm.code))
+        # Only a dump shows the per-pass code; generating it costs a recompile of the whole
+        # graph per pass (a tenth of the passes' time on a 32-layer model).
+        if opts.dump_dir:
+            recompile_if_stale(gm)  # a pass may have deferred regenerating the code
+            res.snapshots.append((name, gm.code))
 
     snap("captured")
     if inline_checkpoints(gm):
         report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
     snap("inline_checkpoints")
     info = analyse(gm, example_inputs)
-    propagate_shapes(gm, example_inputs)
+    if not adopt_static_values(gm):  # else Dynamo's values serve until the graph changes
+        propagate_shapes(gm, example_inputs)
     snap("analyse")
     eager = canonicalize_eager_attention(gm)
     for e in eager:
@@ -170,6 +179,7 @@ def run_pipeline(
             details["intermediate"] = m.intermediate
             report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
             report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
+        gm.graph.eliminate_dead_code()  # once for all layers; each rewrite erased its own
         propagate_shapes(gm, example_inputs + shards.examples)
         res.shard_inputs = shards.items
         snap("rewrite_mlp")
@@ -184,6 +194,7 @@ def run_pipeline(
     if opts.overlap:
         schedule_overlap(gm)
     snap("schedule")
+    recompile_if_stale(gm)
     report.entries.sort(key=lambda e: (_natural_key(e.module), e.kind))
     return res
 
