@@ -97,6 +97,17 @@ def _value_key(v: Any) -> Any:
     return (type(v).__name__, id(v))  # anything else: changed unless it is the same object
 
 
+_VALUE_RULES: dict[Any, Any] = {}
+
+
+def register_value_rule(target: Any, rule: Any) -> None:
+    """Give ``propagate_shapes`` the fake value of calls to ``target`` without running it:
+    ``rule(*args, **kwargs)`` gets the fake inputs and returns the output's fake value. For
+    tspc's own opaque callables whose Python body is costly on fake tensors (the MLP ring
+    runs its whole ring); aot_autograd still runs the real body when it traces the graph."""
+    _VALUE_RULES[target] = rule
+
+
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake tensors, re-running only the nodes whose value may differ from
     the one recorded by the previous propagation in the same mode: new nodes, nodes whose
@@ -120,6 +131,12 @@ class _FakeProp(fx.Interpreter):
             and "val" in n.meta
             and not any(i in self.changed for i in n.all_input_nodes)
         )
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        rule = _VALUE_RULES.get(target)
+        if rule is not None:
+            return rule(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "placeholder" and self._is_current(n):

@@ -559,9 +559,9 @@ def _delay_to(order: _Order, start: fx.Node, gate: fx.Node, hoisted: set[fx.Node
     move it down to just after the gate, so that no more than the window is in flight."""
     if any(order[u] <= order[gate] for u in start.users):
         return 0
-    at, absorbed = _landing(gate, {start}, hoisted)
-    if absorbed or not order.place_after(at, [start]):
-        return 0  # (a start read by a view cannot happen: starts return handles)
+    at, _ = _landing(gate, {start}, hoisted)  # nothing joins: no view reads a start's handle
+    if not order.place_after(at, [start]):
+        return 0
     hoisted.add(start)
     return 1
 

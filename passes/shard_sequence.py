@@ -389,7 +389,8 @@ class _Propagator:
                         sync_replicated_grad, (node, self.group, self.D, inp.fqn)
                     )
                 sync = src
-                set_fake_value(sync)
+                # identity in forward: its value is the parameter's (no fake run per parameter)
+                sync.meta["val"] = node.meta["val"]
                 node.replace_all_uses_with(sync, delete_user_cb=lambda u, s=sync: u is not s)
                 self.layout[src] = None
             if inp.kind != "input":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from tspc.passes.analyse import (
     adopt_static_values,
@@ -73,6 +74,9 @@ def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
     The copy is what the passes mutate (Dynamo's graph stays intact for recompiles at other
     shapes), and its root module is where the shards live as parameters that aot_autograd lifts.
+    It is a lazy GraphModule (as Inductor's passes use): a pass's ``recompile()`` only marks
+    the code stale, and the code is generated once, when something runs or reads it —
+    regenerating it after every pass was a tenth of the passes' time on a 32-layer model.
     """
     root = torch.nn.Module()
     graph = fx.Graph()
@@ -85,7 +89,7 @@ def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
                 obj = getattr(obj, part)
             setattr(root, n.target.replace(".", "_"), obj)
             n.target = n.target.replace(".", "_")
-    return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 def run_pipeline(
