@@ -106,8 +106,8 @@ def run_pipeline(
     res = PipelineResult(gm, report)
 
     def snap(name: str) -> None:
-        # Only a dump shows the per-pass code; generating it costs a recompile of the whole
-        # graph per pass (a tenth of the passes' time on a 32-layer model).
+        # Only a dump shows the per-pass code: generating it for the whole graph after every
+        # pass is a cost no other user of the pipeline should pay.
         if opts.dump_dir:
             recompile_if_stale(gm)  # a pass may have deferred regenerating the code
             res.snapshots.append((name, gm.code))
