@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx._lazy_graph_module import _LazyGraphModule
+
+try:  # private to torch (Dynamo and Inductor use it); without it code is generated eagerly
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:  # pragma: no cover - other torch versions
+    _GraphModule = fx.GraphModule
 
 from tspc.passes.analyse import (
     adopt_static_values,
@@ -89,7 +93,7 @@ def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
                 obj = getattr(obj, part)
             setattr(root, n.target.replace(".", "_"), obj)
             n.target = n.target.replace(".", "_")
-    return _LazyGraphModule(root, graph)
+    return _GraphModule(root, graph)
 
 
 def run_pipeline(
