@@ -33,7 +33,7 @@ peak: saved activations, the working set, logits). Nothing is subtracted or spec
 
 A training step is ``zero_grad(set_to_none=True)``, forward + loss, backward, ``AdamW.step()``;
 a forward step is the loss under ``torch.no_grad()``. TSP's optimizer owns this rank's shards
-plus the unmatched parameters (``tspc.measure.optimizer_parameters``).
+plus the unmatched parameters (``tspc.parameters``).
 
 The must-show bound, checked for the TSP rows: per-rank peak <= 1.25 * (one-process peak / D)
 + 2 weight shards, where a weight shard is one layer's matched weights / D (the attention
@@ -211,11 +211,11 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
 
 
 def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
+    import tspc
     from bench.baselines import param_groups
-    from tspc.measure import optimizer_parameters
 
     if job.scheme == "tsp":
-        params: Any = optimizer_parameters(model)
+        params: Any = list(tspc.parameters(model))
     elif job.scheme in ("tp", "tp_sp"):
         params = param_groups(model)  # DTensor and plain parameters in separate groups
     else:

@@ -75,7 +75,6 @@ __all__ = [
     "RankMeasurement",
     "measure",
     "measure_rank",
-    "optimizer_parameters",
     "ref_config_from_shape",
 ]
 
@@ -345,34 +344,6 @@ def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
     )
 
 
-# ---- TEMPORARY: replace with ``tspc.parameters(model)`` once that public API exists. --------
-def optimizer_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters a TSP rank's optimizer must own, after the first compiled call.
-
-    Stand-in for ``tspc.parameters(model)``: for a parameter that the backend sharded, this
-    rank's shards (from the shard store) instead of the full tensor; an unmatched parameter
-    (embedding, norms, LM head) itself. A matched parameter of which this rank holds no shard
-    (K/V weights shared by fewer KV heads than ranks, owned by another rank) is left out; if it
-    were included it would only be skipped, as it never receives a gradient.
-    """
-    import tspc
-    from tspc.runtime.shard_store import STORE
-
-    public = getattr(tspc, "parameters", None)
-    if callable(public):
-        return list(public(model))
-    out: list[nn.Parameter] = []
-    for p in model.parameters():
-        if p in STORE:
-            out.extend(STORE.shards_of(p).values())
-        else:
-            out.append(p)
-    return out
-
-
-# ---- end TEMPORARY ---------------------------------------------------------------------------
-
-
 def shards_of(model: nn.Module) -> list[nn.Parameter]:
     """Every shard this rank holds of ``model``'s parameters (empty when nothing is sharded)."""
     from tspc.runtime.shard_store import STORE
@@ -507,7 +478,7 @@ def measure_rank(
             if mode == "train":
                 compiled(ids, targets).backward()
                 if optimizer is None:  # after the first call: the shards exist now
-                    optimizer = torch.optim.AdamW(optimizer_parameters(model), lr=1e-4)
+                    optimizer = torch.optim.AdamW(tspc.parameters(model), lr=1e-4)
                 optimizer.step()  # the first creates the moments
                 optimizer.zero_grad(set_to_none=True)
             else:
