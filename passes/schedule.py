@@ -187,6 +187,12 @@ def _is_pack(n: fx.Node) -> bool:
     return t in _PACK_FUNCTIONS or getattr(t, "__name__", "") in _PACK_NAMES
 
 
+def is_view_or_pack(n: fx.Node) -> bool:
+    """Free views and cheap packing copies: what moves with a transfer (and, in
+    ``tspc/inner.py``, what the backward recomputes around one rather than saves)."""
+    return _is_view(n) or _is_pack(n)
+
+
 def is_heavy(n: fx.Node) -> bool:
     """GEMMs and attention kernels: the compute that transfers hide behind."""
     if n.op == "call_method":

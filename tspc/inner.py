@@ -20,7 +20,6 @@ Both aot variants run the overlap scheduler on the forward and the backward grap
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from tspc.passes.schedule import schedule_overlap
+from tspc.passes.schedule import is_view_or_pack, schedule_overlap
 from tspc.runtime.comm import START_KIND, WAIT_OPS
 
 from .options import TSPOptions
@@ -44,22 +43,6 @@ _RECOMPUTE_WAITS = (
     torch.ops.tspc.all_gather_wait.default,
     torch.ops.tspc.ring_wait.default,
 )
-_VIEW_OPS = {
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.split_with_sizes.default,  # runtime/packing.unpack
-    torch.ops.aten.split.Tensor,
-    operator.getitem,  # the pieces of a split
-    torch.ops.aten.t.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten.clone.default,
-    torch.ops.aten.cat.default,
-}
 
 
 def _mark(n: fx.Node) -> None:
@@ -84,17 +67,17 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
             marked += 1
             # the packed weights the broadcast sends: a cheap cat of local shards
             src = n.args[0]
-            if isinstance(src, fx.Node) and src.op == "call_function" and src.target in _VIEW_OPS:
+            if isinstance(src, fx.Node) and is_view_or_pack(src):
                 _mark(src)
                 for i in src.all_input_nodes:
-                    if i.op == "call_function" and i.target in _VIEW_OPS:
+                    if is_view_or_pack(i):
                         _mark(i)
         elif n.target in _RECOMPUTE_WAITS:
             _mark(n)
             stack = list(n.users)
             while stack:
                 u = stack.pop()
-                if u.op == "call_function" and u.target in _VIEW_OPS and "recompute" not in u.meta:
+                if is_view_or_pack(u) and "recompute" not in u.meta:
                     _mark(u)
                     stack.extend(u.users)
     return marked
