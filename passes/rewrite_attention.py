@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tspc.ops.zigzag_attention import causal_attention, default_scale
+from tspc.runtime.autograd_glue import sync_replicated_grad
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import ShardSpec
@@ -375,15 +376,20 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     projections = m.projections()
     sources = {p.out: p for p in projections}
     q_key = m.q.key()
-    # Fewer KV heads than ranks: D / Hkv consecutive head groups share one KV head. Its weights
-    # travel in the pack of the first rank of those groups (the "primary") only, and its K/V are
-    # computed and gathered once and reused by the following groups — so each weight has exactly
-    # one owner (its gradient is exact) and the K/V bytes stay 2*B*S*h_kv.
+    # Fewer KV heads than ranks: D / Hkv consecutive head groups share one KV head; its K/V
+    # are computed and gathered once, in the step of the first of those groups (the
+    # "primary"), and reused by the following groups, so the K/V bytes stay 2*B*S*h_kv.
+    # Separate K/V projection weights stay whole on every rank (a replicated parameter, its
+    # gradient summed in-graph): one owner per head would be no DTensor placement, and every
+    # rank already holding them saves their broadcast. A fused projection keeps its K/V rows
+    # in the primary's pack.
     shared_kv = m.kv_heads % D != 0
     span = D // m.kv_heads if shared_kv else 1
 
     def kv_only(p: Projection) -> bool:
         return p.key() != q_key
+
+    replicated_kv = [p for p in projections if shared_kv and kv_only(p)]
 
     def primary(r: int) -> bool:
         return r % span == 0
@@ -420,7 +426,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     def components(r: int) -> list[tuple[str, fx.Node, ShardSpec]]:
         out = []
         for i, p in enumerate(projections):
-            if shared_kv and kv_only(p) and not primary(r):
+            if p in replicated_kv or (shared_kv and kv_only(p) and not primary(r)):
                 continue
             a, b = _head_rows(p, r, D)
             out.append((f"p{i}_w", p.weight, ShardSpec(0, a, b)))
@@ -444,9 +450,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     pack_node = None
     shard_numel = 0
     if D > 1:
-        for c in step_comps:
-            for _, pnode, _ in c:
-                shards.declare(pnode)
+        # every rank's slices of each parameter: the pack of step r is rank r's
+        layouts: dict[fx.Node, list[list[ShardSpec]]] = {}
+        for r, c in enumerate(step_comps):
+            for _, pnode, spec in c:
+                layouts.setdefault(pnode, [[] for _ in range(D)])[r].append(spec)
+        for pnode, layout in layouts.items():
+            shards.declare(pnode, layout)
         with g.inserting_before(first_use):
             shard_nodes = []
             for cname, pnode, spec in step_comps[rank]:
@@ -478,6 +488,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         if D > 1
         else 0,
     )
+    if replicated_kv and D > 1:
+        ret.notes.append(
+            f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
+            "rank (replicated, not broadcast), so the layer receives "
+            f"{sum(math.prod(shape(p.weight)) for p in replicated_kv) * (D - 1) // D * elem} "
+            "weight bytes fewer than the formula counts"
+        )
     region_set = region_only | set(post)
     old_gathers = [n for n in (k_gather, v_gather) if n is not None]
     ignore_users = set(old_gathers) | {n.args[0] for n in old_gathers} | set(m.repeat_nodes)
@@ -497,6 +514,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 g, r, D, group, tag, pack_node, step_comps[r], step_shapes[r], step_numel[r]
             )
             reuse = shared_kv and not primary(r)
+            if not reuse:
+                ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
             for node in region:
                 if reuse and node in kv_nodes:
                     env[node] = env_primary[node]
@@ -576,6 +595,24 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     erase_unused(g, upstream)
     defer_recompile(gm)  # once for all layers, by the next shape propagation
     return ret
+
+
+def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[str, fx.Node]:
+    """Head group r's rows of K/V weights every rank holds whole: slices of the parameter as
+    the graph uses it (after the in-graph gradient sum, where there is one)."""
+
+    def as_used(pnode: fx.Node) -> fx.Node:
+        synced = [u for u in pnode.users if u.target is sync_replicated_grad]
+        return synced[0] if synced else pnode
+
+    out = {}
+    for p in replicated:
+        i = projections.index(p)
+        a, b = _head_rows(p, r, D)
+        out[f"p{i}_w"] = g.call_function(torch.narrow, (as_used(p.weight), 0, a, b - a))
+        if p.bias is not None:
+            out[f"p{i}_b"] = g.call_function(torch.narrow, (as_used(p.bias), 0, a, b - a))
+    return out
 
 
 def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[str, fx.Node]:

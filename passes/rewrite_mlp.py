@@ -46,6 +46,26 @@ class MlpRewrite:
     predicted_recv_bytes: int
 
 
+def _ring_specs(m: MlpMatch, rank: int, f_local: int) -> dict[str, tuple[fx.Node, ShardSpec]]:
+    """The slices of the MLP's weights that ``rank`` owns: its F-range of gate/up rows (and
+    biases) and of down's columns."""
+
+    def rows(p) -> ShardSpec:
+        return ShardSpec(0, p.row_start + rank * f_local, p.row_start + (rank + 1) * f_local)
+
+    specs = {
+        "gate_w": (m.gate.weight, rows(m.gate)),
+        "up_w": (m.up.weight, rows(m.up)),
+        "down_w": (m.down_weight, ShardSpec(1, rank * f_local, (rank + 1) * f_local)),
+    }
+    if (m.gate.bias is None) != (m.up.bias is None):
+        raise ValueError(f"{m.module}: gate and up must both have biases or neither")
+    if m.gate.bias is not None:
+        specs["gate_b"] = (m.gate.bias, rows(m.gate))
+        specs["up_b"] = (m.up.bias, rows(m.up))
+    return specs
+
+
 def rewrite_mlp(
     gm: fx.GraphModule,
     info: GraphInfo,
@@ -56,33 +76,21 @@ def rewrite_mlp(
     g = gm.graph
     D, rank = group.size, group.rank
     f_local = m.intermediate // D
-    specs = {
-        "gate_w": (
-            m.gate.weight,
-            ShardSpec(
-                0, m.gate.row_start + rank * f_local, m.gate.row_start + (rank + 1) * f_local
-            ),
-        ),
-        "up_w": (
-            m.up.weight,
-            ShardSpec(0, m.up.row_start + rank * f_local, m.up.row_start + (rank + 1) * f_local),
-        ),
-        "down_w": (m.down_weight, ShardSpec(1, rank * f_local, (rank + 1) * f_local)),
-    }
-    if (m.gate.bias is None) != (m.up.bias is None):
-        raise ValueError(f"{m.module}: gate and up must both have biases or neither")
-    if m.gate.bias is not None:
-        specs["gate_b"] = (
-            m.gate.bias,
-            ShardSpec(0, specs["gate_w"][1].start, specs["gate_w"][1].stop),
-        )
-        specs["up_b"] = (m.up.bias, ShardSpec(0, specs["up_w"][1].start, specs["up_w"][1].stop))
+    per_rank = [_ring_specs(m, r, f_local) for r in range(D)]
+    specs = per_rank[rank]
     nodes: dict[str, fx.Node | None] = {"gate_b": None, "up_b": None}
     numel = 0
+    if D > 1:
+        # every rank's slices of each parameter (a fused gate_up weight holds two per rank)
+        layouts: dict[fx.Node, list[list[ShardSpec]]] = {}
+        for r, pr in enumerate(per_rank):
+            for pnode, spec in pr.values():
+                layouts.setdefault(pnode, [[] for _ in range(D)])[r].append(spec)
+        for pnode, layout in layouts.items():
+            shards.declare(pnode, layout)
     with g.inserting_before(m.down):
         for name, (pnode, spec) in specs.items():
             if D > 1:
-                shards.declare(pnode)
                 nodes[name] = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{name}")
                 numel += (spec.stop - spec.start) * (
                     shape(pnode)[1 - spec.dim] if len(shape(pnode)) == 2 else 1

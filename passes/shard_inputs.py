@@ -4,8 +4,8 @@ A compiled graph must stay a pure function of its inputs: Dynamo reuses it for e
 guards match — also for *another module* with the same code (each layer of a model whose blocks
 are compiled on their own, or traced separately after a graph break). So the rewritten graph
 does not hold shards as constants; it reads each shard from a new placeholder, and the runtime
-(``tspc/backend.py``) fills those inputs on every call from the parameters actually passed:
-``STORE.shard(full_parameter, spec)`` — cut on first use, the same object afterwards.
+(``tspc/backend.py``) fills those inputs on every call from the parameters actually passed: views
+of this rank's local part of the module's DTensor parameter (``runtime/tsp_params.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.group import TSPGroup
-from tspc.runtime.shard_store import STORE, ShardSpec
+from tspc.runtime.shard_store import STORE, Layout, ShardSpec
 
 from .analyse import GraphInfo
 
@@ -26,7 +26,7 @@ class ShardInput:
     param_index: int  # position of the full parameter among the graph's original inputs
     spec: ShardSpec
     node: fx.Node  # the placeholder the rewritten graph reads the shard from
-    example: torch.nn.Parameter  # the shard of this compile's example parameter
+    example: torch.Tensor | None  # the shard of this compile's example parameter (while compiling)
 
 
 class ShardInputs:
@@ -38,19 +38,20 @@ class ShardInputs:
         self._index = {inp.node: i for i, inp in enumerate(info.inputs)}
         self._cache: dict[tuple, fx.Node] = {}
 
-    def declare(self, param: fx.Node) -> None:
-        """The full parameter is sharded over the group, even where this rank holds none."""
+    def declare(self, param: fx.Node, layout: Layout) -> None:
+        """The full parameter is sharded over the group: ``layout`` lists every rank's slices
+        (this rank may hold none). Every rank declares the same layout, so every rank gives the
+        module the same DTensor placement."""
         g = self.group
-        STORE.declare(self.info.inputs[self._index[param]].example, g.name, g.rank, g.size)
+        STORE.declare(self.info.inputs[self._index[param]].example, layout, g.name, g.rank, g.size)
 
     def get(self, param: fx.Node, spec: ShardSpec, name: str) -> fx.Node:
         """The placeholder holding this rank's ``spec`` shard of the parameter ``param``."""
         key = (param, spec)
         if key in self._cache:
             return self._cache[key]
-        g = self.group
         full = self.info.inputs[self._index[param]].example
-        shard = STORE.shard(full, spec, g.name, g.rank, g.size)
+        shard = STORE.example_shard(full, spec)
         graph = self.gm.graph
         first = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first):
@@ -61,5 +62,5 @@ class ShardInputs:
         return node
 
     @property
-    def examples(self) -> list[torch.nn.Parameter]:
+    def examples(self) -> list[torch.Tensor]:
         return [i.example for i in self.items]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .group import process_group
@@ -26,9 +27,12 @@ def average_grads_over(params, group_name: str, size: int) -> int:
             continue
 
         def hook(param: torch.Tensor, name=group_name, n=size) -> None:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=process_group(name))
-                param.grad.div_(n)
+            g = param.grad
+            if g is not None:
+                if isinstance(g, DTensor):  # a DTensor parameter's gradient: its local part
+                    g = g.to_local()
+                dist.all_reduce(g, group=process_group(name))
+                g.div_(n)
 
         p.register_post_accumulate_grad_hook(hook)
         _HOOKED[p] = True

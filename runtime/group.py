@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGr
     """
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
+            _refuse_launcher_without_group()
             return TSPGroup(name="", rank=0, size=1)
         group = dist.group.WORLD
     try:
@@ -79,6 +81,20 @@ def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGr
     elif mesh_dim is not None:
         raise GroupResolutionError("'mesh_dim' is only meaningful when 'group' is a DeviceMesh")
     return _plain(group)
+
+
+def _refuse_launcher_without_group() -> None:
+    """A launcher (torchrun, mpirun, SLURM via torchrun) started several processes but none
+    joined a process group: each would silently run the whole model as D = 1."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) > 1:
+        from .errors import TSPConfigError
+
+        raise TSPConfigError(
+            f"tspc: WORLD_SIZE={world} is set but torch.distributed is not initialised, so "
+            "every process would run alone (D = 1). Call torch.distributed.init_process_group() "
+            "before the compiled model's first call (or unset WORLD_SIZE for one process)."
+        )
 
 
 def _plain(group) -> TSPGroup:

@@ -1,25 +1,17 @@
-"""Release the full storage of sharded parameters, and guard everything against reading it.
+"""Release the full storage of a sharded parameter once the module holds its DTensor.
 
-Dynamo passes parameters to the compiled graph as inputs, so slicing shards inside the graph
-would save nothing: the full tensors would stay alive on every rank. After the first compiled
-call, when the graph reads only shards, each full parameter's storage is resized to zero — the
-FSDP technique: the ``nn.Parameter`` object and its metadata stay (Dynamo's guards look only at
-metadata, so the compiled graph keeps being reused), its memory goes.
-
-Reading a released storage is a segfault, not an exception. So a released parameter's class
-becomes ``ReleasedParameter``, whose ``__torch_function__`` raises a clear error for anything
-that would read its data (metadata — shape, dtype, ``.grad`` — stays readable), and the modules
-that own one get hooks with the same error for an eager call and for ``state_dict()``.
-``tspc.state_dict(model)`` rebuilds the full tensors from the shards. Changing the class makes
-Dynamo recompile each graph once (its guards check the parameter's type); the recompile finds
-the shards in the store.
+After a module's first compiled call its parameters are DTensors (``runtime/tsp_params.py``);
+the original full ``nn.Parameter`` of a sharded weight is no longer held by any module, but the
+user may still hold it (an optimizer built before the first call, a variable). Its storage is
+freed (the memory TSP exists to save) and its class becomes ``ReleasedParameter``, whose
+``__torch_function__`` raises a clear error for anything that would read the freed data
+(reading a released storage would be a segfault, not an exception); metadata stays readable.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -28,8 +20,6 @@ from torch import nn
 
 from .shard_store import STORE
 
-_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that carry the hooks
-_permits = [0]  # >0 while tspc's own code walks a guarded module's state_dict
 _internal = [0]  # >0 while tspc itself handles released parameters (compiling, running)
 
 # What may be asked of a released parameter: its metadata, never its data.
@@ -52,8 +42,8 @@ def _func_name(func) -> str:
 
 @contextmanager
 def tspc_internal() -> Iterator[None]:
-    """tspc's own code (the backend, compiled graphs, state_dict) may handle released
-    parameters: it never reads their data."""
+    """tspc's own code (the backend, compiled graphs) may handle released parameters: it never
+    reads their data."""
     _internal[0] += 1
     try:
         yield
@@ -62,7 +52,8 @@ def tspc_internal() -> Iterator[None]:
 
 
 class ReleasedParameter(nn.Parameter):
-    """A parameter whose full storage tspc released after cutting its shards."""
+    """An original full parameter whose storage tspc released after the module took its
+    DTensor (which holds this rank's slices)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -73,9 +64,10 @@ class ReleasedParameter(nn.Parameter):
         raise ReleasedParameterError(
             f"tspc: {_func_name(func) or func} would read a parameter of shape "
             f"{tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else '?'} "
-            "whose full storage was released after tspc sharded it (each rank keeps only its "
-            "shards). Use tspc.state_dict(model) for the full weights, "
-            "tspc.load_state_dict(model, sd) to load, and tspc.parameters(model) for an optimizer."
+            "that tspc replaced: after the model's first compiled call its module holds a "
+            "DTensor parameter with this rank's slices, and the full tensor was released. Use "
+            "model.parameters() / model.named_parameters() (DTensors) and model.state_dict(); "
+            ".full_tensor() of a DTensor gathers it."
         )
 
     def __repr__(self) -> str:
@@ -83,8 +75,7 @@ class ReleasedParameter(nn.Parameter):
 
     def __deepcopy__(self, memo):
         raise ReleasedParameterError(
-            "tspc: cannot deep-copy a released parameter; build the copy from "
-            "tspc.state_dict(model)"
+            "tspc: cannot deep-copy a released parameter; the module now holds its DTensor"
         )
 
 
@@ -92,49 +83,17 @@ class ReleasedParameterError(RuntimeError):
     pass
 
 
-def _message(module: nn.Module, what: str) -> str:
-    names = [n for n, p in module.named_parameters(recurse=False) if is_released(p)]
-    return (
-        f"tspc: {what} of {type(module).__name__} reads parameter(s) {names}, whose full storage "
-        "was released after tspc sharded them (each rank keeps only its shards). Use the compiled "
-        "model, tspc.state_dict(model) for the full state dict, tspc.load_state_dict(model, sd) "
-        "to load one, and tspc.parameters(model) for an optimizer."
-    )
-
-
-def _forward_guard(module: nn.Module, args) -> None:
-    if torch.compiler.is_compiling():
-        return
-    raise ReleasedParameterError(_message(module, "calling the module eagerly"))
-
-
-def _state_dict_guard(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if _permits[0]:
-        return
-    raise ReleasedParameterError(_message(module, "state_dict()"))
-
-
-@contextmanager
-def allow_state_dict() -> Iterator[None]:
-    """Inside this context the state_dict guard lets tspc's own code walk the module."""
-    _permits[0] += 1
-    try:
-        yield
-    finally:
-        _permits[0] -= 1
-
-
 def owner_modules_of(params: list[torch.Tensor]) -> dict[int, list[nn.Module]]:
     """For each of ``params`` (by id), the modules that hold it in their ``_parameters``.
 
-    The backend sees parameters, never the module that owns them. Release runs inside the
+    The backend sees parameters, never the module that owns them. Adoption runs inside the
     compiled model's call, so the modules on the Python call stack (the compiled module, or a
     model the compiled function was handed) are searched first, with all their submodules;
     only parameters not found there are looked up through the GC graph, which scans the whole
     heap (right after compiling the heap is large: ~1 s per scan for a 32-layer model).
 
     A parameter also held by a module outside every module on the stack (weights tied to an
-    unrelated model object) gets the hooks only on the modules found."""
+    unrelated model object) is replaced only in the modules found."""
     wanted = {id(p) for p in params}
     owners: dict[int, list[nn.Module]] = {id(p): [] for p in params}
     if not params:
@@ -203,30 +162,19 @@ def owner_modules(param: torch.Tensor) -> list[nn.Module]:
 
 def is_released(t: torch.Tensor) -> bool:
     entry = STORE.get(t)
-    return bool(entry and entry.released)
+    return bool(entry and entry.released and isinstance(t, ReleasedParameter))
 
 
-def release(params: Iterable[torch.Tensor]) -> int:
-    """Free the full storage of sharded parameters; returns the number of bytes released."""
-    freed = 0
-    todo, seen = [], set()
-    for p in params:
-        entry = STORE.get(p)
-        if entry is not None and not entry.released and id(p) not in seen:
-            seen.add(id(p))
-            todo.append((p, entry))
-    owners = owner_modules_of([p for p, _ in todo])
-    for p, entry in todo:
-        for m in owners[id(p)]:
-            if m not in _GUARDED:
-                m.register_forward_pre_hook(_forward_guard)
-                m.register_state_dict_pre_hook(_state_dict_guard)
-                _GUARDED.add(m)
-        storage = p.untyped_storage()
-        freed += storage.nbytes()
-        storage.resize_(0)
-        p.__class__ = ReleasedParameter
-        entry.released = True
-        if p.grad is not None:  # a gradient of the full tensor is meaningless now
-            p.grad = None
+def release_original(p: nn.Parameter) -> int:
+    """Free the storage of an original full parameter the modules no longer hold; returns the
+    number of bytes released."""
+    entry = STORE.get(p)
+    if entry is None or entry.released:
+        return 0
+    storage = p.untyped_storage()
+    freed = storage.nbytes()
+    storage.resize_(0)
+    p.grad = None  # a gradient of the full tensor is meaningless now
+    p.__class__ = ReleasedParameter
+    entry.released = True
     return freed

@@ -1,15 +1,17 @@
-"""Each rank's shards of the matched weights, keyed by the full parameter they come from.
+"""What each rank holds of the weights the schedules shard, keyed by the full parameter.
 
-The schedules compute only with shards; the full parameter is needed once, when its shards are
-cut. Shards are ``nn.Parameter`` objects that live here, keyed by the *identity* of the full
-parameter, so that a recompile (a new sequence length, say) finds and reuses them instead of
-cutting them again — by then the full tensor's storage may have been released. The store is also
-what ``tspc.parameters`` / ``tspc.state_dict`` read.
+The passes declare, for every matched weight, which slices each rank of the TSP group owns (its
+*layout*); the first compiled call cuts this rank's slices out of the full tensor into one local
+tensor, which becomes the local part of the module's DTensor parameter
+(``runtime/tsp_params.py``). Entries are keyed by the *identity* of the full parameter (and of
+the stand-in that takes its place during later calls), so that a recompile (a new sequence
+length, say) finds the local data instead of cutting it again — by then the full tensor's storage
+has been released.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,18 +26,41 @@ class ShardSpec:
     start: int
     stop: int
 
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+Layout = tuple[tuple[ShardSpec, ...], ...]
+"""Every rank's slices of one parameter, rank by rank, each rank's sorted by start."""
+
+
+def normalize_layout(per_rank: list[list[ShardSpec]] | Layout) -> Layout:
+    return tuple(tuple(sorted(set(specs), key=lambda s: (s.dim, s.start))) for specs in per_rank)
+
 
 @dataclass
 class ShardedParam:
     """What this rank knows of one full parameter that the schedules shard."""
 
-    shards: dict[ShardSpec, nn.Parameter]
     full_shape: torch.Size
     dtype: torch.dtype
-    group: str  # the TSP group's name, for collectives that rebuild the full tensor
+    group: str  # the TSP group's name
     world: int
     rank: int
+    layout: Layout
+    # How the module holds it (runtime/tsp_params.py): "shard", "strided" or "replicate".
+    placement: tuple = ()
+    # This rank's slices, concatenated along their dim in layout order (the DTensor's local
+    # tensor once the module holds it). None until the first compiled call cuts it.
+    local: torch.Tensor | None = None
+    dparam: nn.Parameter | None = None
     released: bool = False
+    offsets: dict[ShardSpec, int] = field(default_factory=dict)
+
+    @property
+    def own(self) -> tuple[ShardSpec, ...]:
+        return self.layout[self.rank]
 
 
 class ShardStore:
@@ -43,44 +68,58 @@ class ShardStore:
         # keyed by identity: tensors compare elementwise, so a plain weak dict would not do
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-    def declare(self, full: torch.Tensor, group: str, rank: int, world: int) -> ShardedParam:
-        """Record that ``full`` is sharded over the group (this rank may hold none of it)."""
+    def declare(
+        self, full: torch.Tensor, layout: Layout, group: str, rank: int, world: int
+    ) -> ShardedParam:
+        """Record that ``full`` is sharded over the group with ``layout`` (every rank's slices)."""
+        layout = normalize_layout(layout)
+        if len(layout) != world:
+            raise ValueError(f"a layout for {len(layout)} ranks on a group of {world}")
         entry = self._entries.get(full)
         if entry is None:
-            entry = ShardedParam({}, full.shape, full.dtype, group, world, rank)
+            entry = ShardedParam(full.shape, full.dtype, group, world, rank, layout)
             self._entries[full] = entry
-        elif (entry.world, entry.rank) != (world, rank):
+            return entry
+        if (entry.world, entry.rank) != (world, rank):
             raise RuntimeError(
                 f"tspc: a parameter of shape {tuple(full.shape)} was already sharded for rank "
                 f"{entry.rank} of {entry.world}; it cannot be re-sharded for rank {rank} of "
                 f"{world} in the same process"
             )
+        if entry.layout != layout:
+            raise RuntimeError(
+                f"tspc: a parameter of shape {tuple(full.shape)} was sharded two different ways "
+                f"by two compiled graphs ({entry.layout[rank]} and {layout[rank]} on this rank); "
+                "this is a bug in the passes"
+            )
         return entry
 
-    def shard(
-        self, full: torch.Tensor, spec: ShardSpec, group: str, rank: int, world: int
-    ) -> nn.Parameter:
-        """This rank's shard ``spec`` of ``full``: cut once, then always the same object."""
-        entry = self.declare(full, group, rank, world)
-        shard = entry.shards.get(spec)
-        if shard is None:
-            if entry.released or full.untyped_storage().size() == 0:
-                raise RuntimeError(
-                    "tspc: a new shard was requested from a parameter whose full storage was "
-                    "already released (a recompile asked for a different cut of it); this is a "
-                    "bug in the passes"
-                )
-            data = full.detach().narrow(spec.dim, spec.start, spec.stop - spec.start).clone()
-            shard = nn.Parameter(data, requires_grad=full.requires_grad)
-            entry.shards[spec] = shard
-        return shard
+    def alias(self, other: torch.Tensor, full: torch.Tensor) -> None:
+        """``other`` (the stand-in that takes ``full``'s place in later calls) has its entry."""
+        self._entries[other] = self._entries[full]
+
+    def example_shard(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """This rank's ``spec`` slice of ``full`` as a leaf tensor with ``full``'s
+        ``requires_grad``: the example value of a shard input while compiling (dropped once
+        compiled: a copied slice must not outlive the compile)."""
+        entry = self._entries[full]
+        if spec not in entry.own:
+            raise KeyError(f"tspc: {spec} is not one of this rank's slices {entry.own}")
+        if entry.local is not None:
+            src = entry.local.narrow(spec.dim, entry.offsets[spec], spec.length)
+        elif full.untyped_storage().size() == 0:
+            raise RuntimeError(
+                "tspc: a shard was requested from a parameter whose full storage was already "
+                "released before its slices were cut; this is a bug in the passes"
+            )
+        else:
+            src = full.narrow(spec.dim, spec.start, spec.length)
+        # contiguous, as the runtime's views of the local tensor are (a column slice of the full
+        # weight is not): the graph is compiled for the strides it will be called with
+        return src.detach().contiguous().requires_grad_(full.requires_grad)
 
     def get(self, full: torch.Tensor) -> ShardedParam | None:
         return self._entries.get(full)
-
-    def shards_of(self, full: torch.Tensor) -> dict[ShardSpec, nn.Parameter]:
-        entry = self._entries.get(full)
-        return dict(entry.shards) if entry else {}
 
     def __contains__(self, full: torch.Tensor) -> bool:
         return full in self._entries

@@ -38,22 +38,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def grad_error(ref: torch.nn.Module, model: torch.nn.Module) -> tuple[float, dict[str, list]]:
     """Largest relative gradient error of ``model`` (compiled with tspc, after backward) against
-    ``ref`` (the same model run in one process), over every parameter: a sharded parameter's
-    gradient lives on this rank's shards and is compared with the matching slice of ``ref``'s.
-    Also returns, per sharded parameter name, the (dim, start, stop) ranges this rank holds."""
-    from tspc.runtime.shard_store import STORE
+    ``ref`` (the same model run in one process), over every parameter. A DTensor parameter's
+    gradient is gathered by DTensor itself (``full_tensor``, a collective every rank runs in
+    the same order), so its placement is checked too. Also returns, per sharded parameter
+    name, the (dim, start, stop) slices this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    from tspc.runtime.tsp_params import tsp_param_of
 
     err, owned = 0.0, {}
     for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
         scale = p_ref.grad.abs().max().clamp_min(1e-12)
-        entry = STORE.get(p)
-        if entry is None:
-            err = max(err, ((p.grad - p_ref.grad).abs().max() / scale).item())
-            continue
-        for spec, shard in entry.shards.items():
-            want = p_ref.grad.narrow(spec.dim, spec.start, spec.stop - spec.start)
-            err = max(err, ((shard.grad - want).abs().max() / scale).item())
-            owned.setdefault(name, []).append((spec.dim, spec.start, spec.stop))
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        err = max(err, ((grad - p_ref.grad).abs().max() / scale).item())
+        tp = tsp_param_of(p)
+        if tp is not None and tp.sharded:
+            local = p.grad.to_local()
+            d = tp.entry.placement[1]
+            for spec in tp.entry.own:
+                mine = local.narrow(d, tp.entry.offsets[spec], spec.length)
+                want = p_ref.grad.narrow(spec.dim, spec.start, spec.length)
+                err = max(err, ((mine - want).abs().max() / scale).item())
+                owned.setdefault(name, []).append((spec.dim, spec.start, spec.stop))
     return err, owned
 
 

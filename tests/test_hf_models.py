@@ -235,13 +235,15 @@ def break_worker(rank: int, world: int) -> dict:
     with torch.no_grad():
         got = torch.compile(model, backend="tsp")(ids)
         want = ref(ids)
-    from tspc.runtime.shard_store import STORE
+    from tspc.runtime.tsp_params import tsp_param_of
 
     reports = tspc.report.REPORTS[n0:]
     return {
         "err": ((got - want).abs().max() / want.abs().max()).item(),
         "graphs": [sorted(e.module for e in r.matched) for r in reports],
-        "sharded": sorted(n for n, p in model.named_parameters() if STORE.get(p) is not None),
+        "sharded": sorted(
+            n for n, p in model.named_parameters() if (tp := tsp_param_of(p)) and tp.sharded
+        ),
     }
 
 

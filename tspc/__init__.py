@@ -1,8 +1,8 @@
 """tspc: Tensor-and-Sequence Parallelism as a torch.compile backend.
 
 ``torch.compile(model, backend="tsp")`` works without importing this package (an entry point
-registers the backend); import it for the helpers: match reports, the zigzag layout, and
-(for training) the parameters an optimizer should own.
+registers the backend); import it for the helpers: match reports and the zigzag layout. Training uses torch's own
+machinery: after the first call the model's parameters are DTensors (see the README).
 """
 
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict
@@ -11,12 +11,14 @@ from tspc.runtime.comm import CollectiveTimeout
 from tspc.runtime.errors import SequenceLengthError, TSPConfigError
 from tspc.runtime.input_check import InputMismatchError
 from tspc.runtime.release import ReleasedParameterError, is_released
+from tspc.runtime.tsp_params import OptimizerParameterError
 from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 
 __all__ = [
     "CollectiveTimeout",
     "CompileReport",
     "InputMismatchError",
+    "OptimizerParameterError",
     "SequenceLengthError",
     "TSPConfigError",
     "ReleasedParameterError",

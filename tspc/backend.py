@@ -31,8 +31,9 @@ from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
-from tspc.runtime.release import is_released, release, tspc_internal
+from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
+from tspc.runtime.tsp_params import adopt, create_sharded_dparam, local_views
 
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
@@ -125,18 +126,21 @@ def _compile_static(
         # Writes the dump now; the wrapper rewrites it after the first call and around the
         # first backward (measured counters, the backward graph): see tspc/dump.py.
         compiled = write_dump(opts.dump_dir, result, graphs, group, compiled, full_inputs, opts)
+    for s in result.shard_inputs:
+        s.example = None  # the compiled graph has what it needs; don't hold slices of weights
     releasable, kept = _releasable_parameters(result.gm, example_inputs)
     for name in kept:
         report.notes.append(f"{name} is sharded but still used whole by this graph; not released")
+    info = analyse(gm, example_inputs)
     checked = None
     if opts.check_inputs and group.size > 1:
-        info = analyse(gm, example_inputs)
         checked = [
             (i, inp.node.name)
             for i, inp in enumerate(info.inputs)
             if inp.kind == "input" and isinstance(inp.example, torch.Tensor)
         ]
-    return _CompiledTSPGraph(compiled, result.shard_inputs, releasable, checked, group)
+    params = [i for i, inp in enumerate(info.inputs) if inp.kind == "parameter"]
+    return _CompiledTSPGraph(compiled, result.shard_inputs, releasable, params, checked, group)
 
 
 def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
@@ -173,10 +177,13 @@ class _CompiledTSPGraph:
     """The compiled graph, as Dynamo calls it, with what the runtime adds around it.
 
     * Every call appends this rank's shards of the parameters actually passed
-      (``passes/shard_inputs.py``): Dynamo may run one compiled graph for several modules.
-    * After a module's first call, its full sharded parameters are released
-      (``runtime/release.py``) — not before: the first call is where their shards are cut.
-    * With data parallelism, new shards and parameters get their gradient-averaging hook.
+      (``passes/shard_inputs.py``): views of the local tensor of each weight's DTensor
+      parameter, so gradients land on the DTensors. Dynamo may run one compiled graph for
+      several modules.
+    * The first call cuts the DTensors' local tensors from the full weights; after it, the
+      modules hold DTensor parameters and the full weights are released
+      (``runtime/tsp_params.py``).
+    * With data parallelism, the parameters get their gradient-averaging hook.
     * With ``check_inputs``, the ranks' inputs are compared first.
     """
 
@@ -185,12 +192,18 @@ class _CompiledTSPGraph:
         fn: Callable,
         shard_inputs: list,
         releasable: list[int],
+        params: list[int],
         checked_inputs: list[tuple[int, str]] | None,
         group: TSPGroup,
     ):
         self.fn = fn
-        self.shard_inputs = [(s.param_index, s.spec) for s in shard_inputs]
-        self.releasable = releasable
+        self.releasable = set(releasable)
+        self.params = params  # positions of the module parameters among the graph's inputs
+        # (position of the full parameter, [its slices the graph reads, in input order])
+        by_param: dict[int, list] = {}
+        for s in shard_inputs:
+            by_param.setdefault(s.param_index, []).append(s.spec)
+        self.shard_inputs = list(by_param.items())
         self.checked_inputs = checked_inputs
         self.group = group
         # Dynamo calls this with the graph's inputs as positional arguments (the function
@@ -201,18 +214,19 @@ class _CompiledTSPGraph:
         g = self.group
         if self.checked_inputs:
             check_same_inputs([(name, flat[i]) for i, name in self.checked_inputs], g.name, g.size)
-        with tspc_internal():  # the inputs include released parameters, never read
-            shards = [
-                STORE.shard(flat[i], spec, g.name, g.rank, g.size) for i, spec in self.shard_inputs
-            ]
+        with tspc_internal():  # the inputs include the stand-ins of sharded weights
+            shards = []
+            for i, specs in self.shard_inputs:
+                entry = STORE.get(flat[i])
+                if entry.dparam is None:  # the first call: cut this rank's slices
+                    create_sharded_dparam(flat[i], entry, keep_whole=i not in self.releasable)
+                shards.extend(local_views(entry, specs))
             if g.dp_size > 1:
-                params = [a for a in flat if isinstance(a, torch.nn.Parameter)]
-                average_grads_over(shards + params, g.dp_name, g.dp_size)
-            full = flat + shards
-            out = self.fn(*full)
-        to_release = [flat[i] for i in self.releasable if not is_released(flat[i])]
-        if to_release:
-            release(to_release)
+                dparams = [STORE.get(flat[i]).dparam for i, _ in self.shard_inputs]
+                average_grads_over(dparams + [flat[i] for i in self.params], g.dp_name, g.dp_size)
+            out = self.fn(*flat, *shards)
+        if g.size > 1:
+            adopt([flat[i] for i in self.params], g.name, g.size)
         return out
 
 

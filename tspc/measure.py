@@ -344,11 +344,20 @@ def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
     )
 
 
-def shards_of(model: nn.Module) -> list[nn.Parameter]:
-    """Every shard this rank holds of ``model``'s parameters (empty when nothing is sharded)."""
-    from tspc.runtime.shard_store import STORE
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The local tensor of a DTensor (what this rank holds), else ``t``."""
+    from torch.distributed.tensor import DTensor
 
-    return [s for p in model.parameters() for s in STORE.shards_of(p).values()]
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def shards_of(model: nn.Module) -> list[torch.Tensor]:
+    """The local tensors of ``model``'s sharded DTensor parameters (empty when nothing is
+    sharded)."""
+    return [_local(p) for p in model.parameters() if is_matched_param(p)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,7 +487,7 @@ def measure_rank(
             if mode == "train":
                 compiled(ids, targets).backward()
                 if optimizer is None:  # after the first call: the shards exist now
-                    optimizer = torch.optim.AdamW(tspc.parameters(model), lr=1e-4)
+                    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 optimizer.step()  # the first creates the moments
                 optimizer.zero_grad(set_to_none=True)
             else:
@@ -487,13 +496,17 @@ def measure_rank(
         t1 = time.perf_counter()
 
         shards = shards_of(model)
-        full = [p for p in model.parameters() if is_matched_param(p)]
-        other = [p for p in model.parameters() if not is_matched_param(p)]
+        # the original full weights are released (storage-less stand-ins): nothing to count
+        full: list[torch.Tensor] = []
+        other = [_local(p) for p in model.parameters() if not is_matched_param(p)]
         tracker = FakeMemoryTracker()
-        tracker.track([*model.parameters(), *model.buffers(), *shards, ids, targets])
+        tracker.track([*other, *model.buffers(), *shards, ids, targets])
         if optimizer is not None:
             tracker.track(
-                v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+                _local(v)
+                for st in optimizer.state.values()
+                for v in st.values()
+                if torch.is_tensor(v)
             )
         with tracker:
             if mode == "train":
@@ -517,10 +530,15 @@ def measure_rank(
         claim(full, "full_weights")
         claim(shards, "shards")
         claim([*other, *model.buffers()], "other_params")
-        claim((p.grad for p in [*model.parameters(), *shards]), "gradients")
+        claim((_local(p.grad) for p in model.parameters()), "gradients")
         if optimizer is not None:
             claim(
-                (v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)),
+                (
+                    _local(v)
+                    for st in optimizer.state.values()
+                    for v in st.values()
+                    if torch.is_tensor(v)
+                ),
                 "optimizer",
             )
         at_peak = dict.fromkeys(CATEGORIES, 0)
@@ -560,10 +578,12 @@ def measure_rank(
 
 
 def is_matched_param(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a full weight that the backend sharded (this rank may hold no shard)."""
-    from tspc.runtime.shard_store import STORE
+    """Whether ``p`` is the DTensor parameter of a weight the backend sharded (this rank may
+    hold no slice of it)."""
+    from tspc.runtime.tsp_params import tsp_param_of
 
-    return p in STORE
+    tp = tsp_param_of(p)
+    return tp is not None and tp.sharded
 
 
 # --------------------------------------------------------------------------------------------

@@ -167,6 +167,7 @@ def run_pipeline(
                 details.update(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
                 report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
                 report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
+                report.notes += [f"{m.module}: {note}" for note in out.notes]
             else:
                 report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
         # No propagation here: a rewrite reads only the metadata of its own layer's original

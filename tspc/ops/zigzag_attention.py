@@ -225,3 +225,34 @@ def causal_attention(
     pass sets ``rank``/``world`` when the queries are this rank's zigzag chunks.
     """
     return zigzag_causal_attention(q, k, v, rank, world, scale, key_valid)[0]
+
+
+# Under torch.autocast the attention of the original graph (SDPA) runs in the autocast dtype;
+# the projections feeding it come out in that dtype while RoPE may leave q/k in fp32. The op
+# casts its floating inputs to the *current* autocast dtype, as SDPA's autocast policy does
+# (torch.library.register_autocast would fix one dtype per device at registration).
+_AUTOCAST_LIB = torch.library.Library("tspc", "IMPL")
+
+
+def _autocast_kernel(device_type: str):
+    def kernel(q, k, v, rank, world, scale, key_valid=None):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            ok = isinstance(t, torch.Tensor) and t.is_floating_point()
+            return t.to(dtype) if ok and t.device.type == device_type else t
+
+        with torch.autocast(device_type, enabled=False):
+            return torch.ops.tspc.zigzag_causal_attention(
+                cast(q), cast(k), cast(v), rank, world, scale, key_valid
+            )
+
+    return kernel
+
+
+for _device in ("cpu", "cuda"):
+    _AUTOCAST_LIB.impl(
+        "zigzag_causal_attention",
+        _autocast_kernel(_device),
+        "Autocast" + torch._C._dispatch_key_for_device(_device),
+    )

@@ -1,0 +1,29 @@
+"""torch-private names the runtime needs, in one place (each says why it is needed)."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's ``_StridedShard``: k equal parts of a dim, each chunked over the mesh (the
+    layout of a fused weight such as ``gate_up_proj``). Private in torch 2.13."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def no_fake_mode():
+    """Leave an active FakeTensorMode for a moment: a DeviceMesh is built from real tensors
+    (``tspc plan --measure`` runs the whole step under fake tensors)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - a torch without it
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()

@@ -1,0 +1,538 @@
+"""The model's parameters as DTensors on the TSP axis, as FSDP2 holds them.
+
+After a module's first compiled call, every parameter the compiled graphs read is an
+``nn.Parameter`` holding a DTensor on the TSP mesh:
+
+* a matched weight holds only this rank's slices: ``Shard(dim)`` when the slices are the even
+  chunks ``torch.chunk`` would cut (separate Q/K/V/O, gate/up/down, their biases);
+  ``_StridedShard(dim, k)`` for a fused weight of k equal parts, each chunked (``qkv_proj`` of
+  multi-head attention, ``gate_up_proj``); ``Replicate()`` with the full value where the
+  slices are no DTensor placement (fused Q/K/V of unequal sizes, KV heads fewer than ranks)
+  or where a graph also reads the whole weight — there the gradient is summed over the group,
+  so the replicas stay equal (the compile report says which);
+* every other parameter (norms, embeddings, unmatched layers) is a ``Replicate()`` DTensor
+  sharing the original's storage.
+
+So ``model.parameters()``, torch's optimizers, ``clip_grad_norm_``, ``model.state_dict()`` and
+``torch.distributed.checkpoint`` see one consistent set of DTensors. The compiled graphs still
+run on plain tensors: while the model runs, a hook on the module the user called (the
+``OptimizedModule``, or the model whose ``forward`` was compiled) puts back, for each parameter,
+the plain *stand-in* Dynamo compiled against (same metadata, so no recompile; for a sharded
+weight a full-shape tensor without storage), and puts the DTensors back when the call returns.
+The runtime feeds the graph views of each DTensor's local tensor (``to_local`` is
+differentiable: gradients land on the DTensor parameters, as DTensors).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .compat import is_strided_shard as _is_strided
+from .compat import no_fake_mode, strided_shard
+from .group import process_group
+from .shard_store import STORE, Layout, ShardedParam, ShardSpec
+
+log = logging.getLogger("tspc")
+
+
+# --------------------------------------------------------------------------- layout -> placement
+
+
+def layout_placement(layout: Layout, shape: tuple[int, ...]) -> tuple:
+    """The DTensor placement that says exactly which slices each rank holds, as
+    ``("shard", dim)``, ``("strided", dim, k)`` or ``("replicate",)`` when none does."""
+    world = len(layout)
+    specs = [s for own in layout for s in own]
+    dims = {s.dim for s in specs}
+    if len(dims) != 1:
+        return ("replicate",)
+    (d,) = dims
+    n = shape[d]
+    chunk = -(-n // world)
+    as_chunks = tuple(
+        ((ShardSpec(d, r * chunk, min((r + 1) * chunk, n)),) if r * chunk < n else ())
+        for r in range(world)
+    )
+    if layout == as_chunks:
+        return ("shard", d)
+    k = len(layout[0])
+    if k >= 2 and n % k == 0 and (n // k) % world == 0:
+        seg, c = n // k, n // k // world
+        strided = tuple(
+            tuple(ShardSpec(d, j * seg + r * c, j * seg + (r + 1) * c) for j in range(k))
+            for r in range(world)
+        )
+        if layout == strided:
+            return ("strided", d, k)
+    return ("replicate",)
+
+
+def _placement_object(placement: tuple):
+    if placement[0] == "shard":
+        return Shard(placement[1])
+    if placement[0] == "strided":
+        return strided_shard(placement[1], placement[2])
+    return Replicate()
+
+
+# --------------------------------------------------------------------------- meshes
+
+_MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}
+
+
+def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
+    """The 1-D DeviceMesh of the TSP group on ``device``'s type (one per process group: a
+    name can come back for a new group after ``destroy_process_group``)."""
+    pg = process_group(group_name)
+    key = (group_name, device.type)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not pg:
+        with no_fake_mode():
+            cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device.type))
+    return cached[1]
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclass(eq=False)
+class TSPParam:
+    """One parameter of a module tspc compiled: the DTensor the module holds between calls and
+    the plain stand-in its compiled graphs were traced with."""
+
+    dparam: nn.Parameter  # the DTensor parameter (what model.parameters() yields)
+    handle: nn.Parameter  # the plain tensor Dynamo sees while the model runs
+    mesh: DeviceMesh
+    group: str
+    world: int
+    entry: ShardedParam | None = None  # None for a replicated parameter
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def sharded(self) -> bool:
+        return self.entry is not None and self.entry.placement[0] != "replicate"
+
+    @property
+    def placement(self) -> tuple:
+        return self.entry.placement if self.entry is not None else ("replicate",)
+
+
+REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""original parameter, stand-in and DTensor parameter -> their TSPParam."""
+
+
+def tsp_param_of(t: torch.Tensor) -> TSPParam | None:
+    return REGISTRY.get(t)
+
+
+def is_tsp_dtensor(t: torch.Tensor) -> bool:
+    tp = REGISTRY.get(t)
+    return tp is not None and tp.dparam is t
+
+
+# --------------------------------------------------------------------------- creation
+
+
+def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: bool) -> None:
+    """Cut this rank's slices of ``full`` into the local tensor of a new DTensor parameter.
+
+    ``keep_whole``: a graph also reads the whole weight, so it stays replicated."""
+    placement = ("replicate",) if keep_whole else layout_placement(entry.layout, full.shape)
+    entry.placement = placement
+    mesh = mesh_of(entry.group, full.device)
+    with torch.no_grad():
+        if placement[0] == "replicate":
+            local = full.detach()  # the full value, shared with the original (no copy)
+            entry.offsets = {s: s.start for s in entry.own}
+        else:
+            d = placement[1]
+            parts, offset = [], 0
+            for spec in entry.own:
+                parts.append(full.detach().narrow(d, spec.start, spec.length))
+                entry.offsets[spec] = offset
+                offset += spec.length
+            local = torch.cat(parts, d) if parts else full.new_empty(0)
+        dt = DTensor.from_local(
+            local,
+            mesh,
+            [_placement_object(placement)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+    entry.dparam = nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+    with torch.no_grad():
+        dt = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+def _storage_less(like: torch.Tensor) -> nn.Parameter:
+    """A full-shape tensor with no storage: the stand-in of a sharded weight, which the
+    compiled graphs receive but never read (they read its shards). Same metadata as the
+    parameter Dynamo traced, so its guards still hold."""
+    t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+    t.untyped_storage().resize_(0)
+    return nn.Parameter(t, requires_grad=like.requires_grad)
+
+
+# --------------------------------------------------------------------------- per call
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity; the backward sums the gradient over the group (a weight kept replicated whose
+    slices each rank's graph differentiates only for the slices it owns)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=process_group(ctx.group))
+        return grad, None
+
+
+def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tensor]:
+    """This call's views of the DTensor's local tensor, one per slice the graph reads."""
+    local = entry.dparam.to_local()
+    if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
+        local = _SumGradOverGroup.apply(local, entry.group)
+    return [local.narrow(s.dim, entry.offsets[s], s.length) for s in specs]
+
+
+# --------------------------------------------------------------------------- adoption
+
+
+def adopt(params: Iterable[nn.Parameter], group: str, world: int) -> list[TSPParam]:
+    """Make the modules holding ``params`` hold DTensor parameters instead (after a graph's
+    first call), and release the full storage of the sharded ones."""
+    from .release import owner_modules_of, release_original
+
+    todo = []
+    for p in params:
+        if p in REGISTRY or not isinstance(p, nn.Parameter) or isinstance(p, DTensor):
+            continue
+        if any(q is p for q in todo):
+            continue
+        todo.append(p)
+    if not todo:
+        return []
+    owners = owner_modules_of(todo)
+    entry_module = _entry_module()
+    adopted = []
+    for p in todo:
+        entry = STORE.get(p)
+        mesh = mesh_of(group, p.device)
+        if entry is not None and entry.dparam is not None:
+            dparam = entry.dparam
+            handle = p if entry.placement[0] == "replicate" else _storage_less(p)
+            STORE.alias(handle, p)
+        else:
+            entry = None
+            dparam, handle = _replicated_dparam(p, mesh), p
+        tp = TSPParam(dparam, handle, mesh, group, world, entry)
+        for m in owners[id(p)]:
+            for name, v in m._parameters.items():
+                if v is p:
+                    tp.owners.append((m, name))
+        REGISTRY[p] = tp
+        REGISTRY[handle] = tp
+        REGISTRY[dparam] = tp
+        if not tp.sharded:
+            _route_grad(handle, tp)
+        for m, name in tp.owners:
+            m._parameters[name] = dparam
+            _add_eager_guard(m)
+            if tp.placement[0] == "strided":
+                _add_state_dict_hooks(m)
+            _add_load_hooks(m)
+        if tp.sharded:
+            release_original(p)
+        adopted.append(tp)
+    if entry_module is not None:
+        _watch(entry_module, adopted)
+    else:
+        log.warning(
+            "tspc: the compiled graph was not called from a module's __call__; the model now "
+            "holds DTensor parameters and must be called through torch.compile(model, "
+            "backend='tsp') (or a model whose forward was compiled)"
+        )
+    return adopted
+
+
+def _route_grad(handle: nn.Parameter, tp: TSPParam) -> None:
+    """The graphs differentiate the plain stand-in of a replicated parameter; its gradient
+    (already summed over the group in-graph) moves to the DTensor parameter."""
+    if not handle.requires_grad:
+        return
+    ref = weakref.ref(tp)
+
+    def move(h: torch.Tensor) -> None:
+        tp_ = ref()
+        g = h.grad
+        if tp_ is None or g is None:
+            return
+        h.grad = None
+        dp = tp_.dparam
+        with torch.no_grad():
+            if dp.grad is None:
+                dp.grad = DTensor.from_local(g, tp_.mesh, [Replicate()], run_check=False)
+            else:
+                dp.grad.to_local().add_(g)
+
+    handle.register_post_accumulate_grad_hook(move)
+
+
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _add_eager_guard(m: nn.Module) -> None:
+    if m not in _GUARDED:
+        _GUARDED.add(m)
+        m.register_forward_pre_hook(_eager_guard)
+
+
+def _eager_guard(module: nn.Module, args) -> None:
+    """Calling a module eagerly while it holds DTensor parameters would mix them with plain
+    activations (DTensor's error names neither the cause nor the fix)."""
+    if torch.compiler.is_compiling():
+        return
+    names = [n for n, p in module._parameters.items() if p is not None and is_tsp_dtensor(p)]
+    if names:
+        from .release import ReleasedParameterError
+
+        raise ReleasedParameterError(
+            f"tspc: calling {type(module).__name__} eagerly: its parameters {names} are DTensors "
+            "holding this rank's slices since the model's first compiled call. Call the "
+            "compiled model; for a plain copy, load get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True)) into a fresh model."
+        )
+
+
+# --------------------------------------------------------------------------- the call's swap
+
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
+_CALL_FRAMES = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
+
+
+def _entry_module() -> nn.Module | None:
+    """The outermost module whose ``__call__`` runs eagerly on the current stack: the
+    ``OptimizedModule``, or the model whose forward was compiled."""
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_FRAMES:
+            m = frame.f_locals.get("self")
+            if isinstance(m, nn.Module):
+                found = m
+        frame = frame.f_back
+    return found
+
+
+def _watch(module: nn.Module, tps: list[TSPParam]) -> None:
+    watched = _WATCHED.get(module)
+    if watched is None:
+        watched = _WATCHED[module] = []
+        module.register_forward_pre_hook(_put_handles, prepend=True)
+        module.register_forward_hook(_put_dparams, always_call=True)
+    watched.extend(tps)
+
+
+@torch.compiler.disable
+def _put_handles(module: nn.Module, args) -> None:
+    for tp in _WATCHED.get(module, ()):
+        _refresh_handle(tp)
+        for m, name in tp.owners:
+            m._parameters[name] = tp.handle
+
+
+@torch.compiler.disable
+def _put_dparams(module: nn.Module, args, out) -> None:
+    for tp in _WATCHED.get(module, ()):
+        for m, name in tp.owners:
+            m._parameters[name] = tp.dparam
+
+
+def _refresh_handle(tp: TSPParam) -> None:
+    """After ``model.to(dtype)`` (or device, or ``requires_grad_``) the DTensor changed: the
+    stand-in follows it (Dynamo then compiles once for the new dtype)."""
+    dp, h = tp.dparam, tp.handle
+    if (h.dtype, h.device, h.requires_grad) == (dp.dtype, dp.device, dp.requires_grad) and (
+        tp.sharded or h.is_set_to(_local(dp))
+    ):
+        return
+    if tp.sharded:
+        new = _storage_less_like(dp)
+    else:
+        new = nn.Parameter(_local(dp), requires_grad=dp.requires_grad)
+        _route_grad(new, tp)
+    tp.handle = new
+    REGISTRY[new] = tp
+    if tp.entry is not None:
+        STORE.alias(new, h)
+
+
+def _storage_less_like(dp: torch.Tensor) -> nn.Parameter:
+    t = torch.empty(dp.shape, dtype=dp.dtype, device=dp.device)
+    return _storage_less(t.requires_grad_(dp.requires_grad))
+
+
+def _local(dp: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return dp.to_local()
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+class OptimizerParameterError(RuntimeError):
+    """An optimizer holds a parameter tspc has since replaced, and already has state for it."""
+
+
+def _check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Before every optimizer step: a parameter that tspc replaced by its DTensor (the
+    optimizer was built before the model's first call) is swapped for the DTensor, which is
+    where the gradients now land; if the optimizer already holds state for the old one, the
+    step would be silently wrong, so it raises."""
+    for group in opt.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            tp = REGISTRY.get(p)
+            if tp is None or p is tp.dparam:
+                continue
+            if opt.state.get(p):
+                raise OptimizerParameterError(
+                    f"tspc: {type(opt).__name__} holds state for a parameter of shape "
+                    f"{tuple(p.shape)} that tspc replaced by its DTensor after the model's "
+                    "first call; build the optimizer from model.parameters() after the first "
+                    "call (or before it, without stepping in between)"
+                )
+            params[i] = tp.dparam
+    if any(_is_strided(pl) for tp in _tps_of(opt) for pl in tp.dparam.placements):
+        _add_optimizer_hooks(opt)
+
+
+def _tps_of(opt: torch.optim.Optimizer) -> list[TSPParam]:
+    return [tp for g in opt.param_groups for p in g["params"] if (tp := REGISTRY.get(p))]
+
+
+register_optimizer_step_pre_hook(_check_optimizer)
+
+
+# --------------------------------------------------------------------------- checkpoints
+#
+# torch.distributed.checkpoint describes a DTensor shard by one offset and one size: right for
+# Shard, not for _StridedShard (k separate pieces per rank). Such parameters (and their
+# optimizer state) therefore enter state dicts as Shard DTensors (a redistribution, one weight
+# at a time) and are turned back on load. Plain full tensors loaded into a DTensor parameter
+# (``model.load_state_dict(full)``, an HF checkpoint) are cut locally: no communication.
+
+_SD_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_LOAD_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_OPT_HOOKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _as_plain_shard(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor) and any(_is_strided(p) for p in t.placements):
+        placements = [Shard(p.dim) if _is_strided(p) else p for p in t.placements]
+        return t.redistribute(t.device_mesh, placements)
+    return t
+
+
+def _like_param(value: torch.Tensor, tp: TSPParam) -> torch.Tensor:
+    """``value`` (a full plain tensor, or a DTensor of any placement) as a DTensor with the
+    parameter's placement."""
+    dp = tp.dparam
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != tuple(dp.placements):
+            value = value.redistribute(dp.device_mesh, dp.placements)
+        return value
+    if tuple(value.shape) != tuple(dp.shape):
+        return value  # let load_state_dict report the mismatch
+    if tp.sharded:
+        d = tp.entry.placement[1]
+        parts = [value.narrow(d, s.start, s.length) for s in tp.entry.own]
+        local = torch.cat(parts, d) if parts else value.new_empty(0)
+    else:
+        local = value
+    return DTensor.from_local(
+        local.to(dp.dtype),
+        dp.device_mesh,
+        dp.placements,
+        run_check=False,
+        shape=dp.shape,
+        stride=dp.stride(),
+    )
+
+
+def _add_state_dict_hooks(m: nn.Module) -> None:
+    if m in _SD_HOOKED:
+        return
+    _SD_HOOKED.add(m)
+
+    def post(module, state_dict, prefix, local_metadata):
+        for name in module._parameters:
+            key = prefix + name
+            if key in state_dict and isinstance(state_dict[key], DTensor):
+                state_dict[key] = _as_plain_shard(state_dict[key])
+
+    m.register_state_dict_post_hook(post)
+
+
+def _add_load_hooks(m: nn.Module) -> None:
+    if m in _LOAD_HOOKED:
+        return
+    _LOAD_HOOKED.add(m)
+
+    def pre(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for name, p in module._parameters.items():
+            key = prefix + name
+            tp = REGISTRY.get(p) if p is not None else None
+            if tp is not None and key in state_dict:
+                state_dict[key] = _like_param(state_dict[key], tp)
+
+    m.register_load_state_dict_pre_hook(pre)
+
+
+def _add_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
+    if opt in _OPT_HOOKED:
+        return
+    _OPT_HOOKED.add(opt)
+
+    def post(optimizer, state_dict):
+        for st in state_dict["state"].values():
+            for k, v in list(st.items()):
+                if isinstance(v, DTensor):
+                    st[k] = _as_plain_shard(v)
+        return state_dict
+
+    def pre(optimizer, state_dict):
+        ids = [p for g in optimizer.param_groups for p in g["params"]]
+        for idx, st in state_dict["state"].items():
+            p = ids[idx] if isinstance(idx, int) and idx < len(ids) else None
+            tp = REGISTRY.get(p) if p is not None else None
+            if tp is None:
+                continue
+            for k, v in list(st.items()):
+                if isinstance(v, DTensor) and v.shape == tp.dparam.shape:
+                    st[k] = _like_param(v, tp)
+        return state_dict
+
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(pre)
