@@ -12,18 +12,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .group import process_group
 
-_HOOKED = WeakIdKeyDictionary()  # parameters that carry the hook (tensors hash by identity)
+# A flag on the tensor marks a hooked parameter: a weak reference to a DTensor parameter would
+# make ``model.to()`` fail (``torch.utils.swap_tensors`` refuses weakly referenced tensors).
+_FLAG = "_tspc_dp_averaged"
 
 
 def average_grads_over(params, group_name: str, size: int) -> int:
     """Install (once per parameter) a hook averaging its gradient over ``group_name``."""
     installed = 0
     for p in params:
-        if not isinstance(p, torch.Tensor) or not p.requires_grad or p in _HOOKED:
+        if not isinstance(p, torch.Tensor) or not p.requires_grad or getattr(p, _FLAG, False):
             continue
 
         def hook(param: torch.Tensor, name=group_name, n=size) -> None:
@@ -35,6 +36,6 @@ def average_grads_over(params, group_name: str, size: int) -> int:
                 g.div_(n)
 
         p.register_post_accumulate_grad_hook(hook)
-        _HOOKED[p] = True
+        setattr(p, _FLAG, True)
         installed += 1
     return installed

@@ -51,9 +51,8 @@ class ShardedParam:
     layout: Layout
     # How the module holds it (runtime/tsp_params.py): "shard", "strided" or "replicate".
     placement: tuple = ()
-    # This rank's slices, concatenated along their dim in layout order (the DTensor's local
-    # tensor once the module holds it). None until the first compiled call cuts it.
-    local: torch.Tensor | None = None
+    # The module's DTensor parameter; its local tensor is this rank's slices concatenated
+    # along their dim in layout order. None until the first compiled call cuts them.
     dparam: nn.Parameter | None = None
     released: bool = False
     offsets: dict[ShardSpec, int] = field(default_factory=dict)
@@ -105,8 +104,10 @@ class ShardStore:
         entry = self._entries[full]
         if spec not in entry.own:
             raise KeyError(f"tspc: {spec} is not one of this rank's slices {entry.own}")
-        if entry.local is not None:
-            src = entry.local.narrow(spec.dim, entry.offsets[spec], spec.length)
+        if entry.dparam is not None:  # cut already: the DTensor's local tensor has it
+            with torch.no_grad():
+                local = entry.dparam.to_local()
+            src = local.narrow(spec.dim, entry.offsets[spec], spec.length)
         elif full.untyped_storage().size() == 0:
             raise RuntimeError(
                 "tspc: a shard was requested from a parameter whose full storage was already "

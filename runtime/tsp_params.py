@@ -128,8 +128,35 @@ class TSPParam:
         return self.entry.placement if self.entry is not None else ("replicate",)
 
 
-REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""original parameter, stand-in and DTensor parameter -> their TSPParam."""
+class _Registry:
+    """original parameter, stand-in and DTensor parameter -> their TSPParam.
+
+    The DTensor parameters are looked up by id, not through weak references: ``model.to()``
+    converts a DTensor parameter in place with ``torch.utils.swap_tensors``, which refuses a
+    tensor that has a weak reference."""
+
+    def __init__(self) -> None:
+        self._weak: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._by_id: dict[int, weakref.ref] = {}
+
+    def get(self, t: torch.Tensor) -> TSPParam | None:
+        ref = self._by_id.get(id(t))
+        tp = ref() if ref is not None else None
+        if tp is not None and tp.dparam is t:
+            return tp
+        return self._weak.get(t) if not isinstance(t, DTensor) else None
+
+    def add(self, t: torch.Tensor, tp: TSPParam) -> None:
+        if isinstance(t, DTensor):
+            self._by_id[id(t)] = weakref.ref(tp)
+        else:
+            self._weak[t] = tp
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return self.get(t) is not None
+
+
+REGISTRY = _Registry()
 
 
 def tsp_param_of(t: torch.Tensor) -> TSPParam | None:
@@ -251,9 +278,9 @@ def adopt(params: Iterable[nn.Parameter], group: str, world: int) -> list[TSPPar
             for name, v in m._parameters.items():
                 if v is p:
                     tp.owners.append((m, name))
-        REGISTRY[p] = tp
-        REGISTRY[handle] = tp
-        REGISTRY[dparam] = tp
+        REGISTRY.add(p, tp)
+        REGISTRY.add(handle, tp)
+        REGISTRY.add(dparam, tp)
         if not tp.sharded:
             _route_grad(handle, tp)
         for m, name in tp.owners:
@@ -383,7 +410,7 @@ def _refresh_handle(tp: TSPParam) -> None:
         new = nn.Parameter(_local(dp), requires_grad=dp.requires_grad)
         _route_grad(new, tp)
     tp.handle = new
-    REGISTRY[new] = tp
+    REGISTRY.add(new, tp)
     if tp.entry is not None:
         STORE.alias(new, h)
 
@@ -402,30 +429,39 @@ def _local(dp: torch.Tensor) -> torch.Tensor:
 
 
 class OptimizerParameterError(RuntimeError):
-    """An optimizer holds a parameter tspc has since replaced, and already has state for it."""
+    """An optimizer holds a parameter tspc has since replaced, with state that does not fit."""
 
 
 def _check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
     """Before every optimizer step: a parameter that tspc replaced by its DTensor (the
     optimizer was built before the model's first call) is swapped for the DTensor, which is
-    where the gradients now land; if the optimizer already holds state for the old one, the
-    step would be silently wrong, so it raises."""
+    where the gradients now land, and its state (a checkpoint loaded before the first call)
+    is cut to this rank's slices alongside. State that cannot be matched to the parameter
+    raises: stepping would be silently wrong."""
     for group in opt.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
             tp = REGISTRY.get(p)
             if tp is None or p is tp.dparam:
                 continue
-            if opt.state.get(p):
-                raise OptimizerParameterError(
-                    f"tspc: {type(opt).__name__} holds state for a parameter of shape "
-                    f"{tuple(p.shape)} that tspc replaced by its DTensor after the model's "
-                    "first call; build the optimizer from model.parameters() after the first "
-                    "call (or before it, without stepping in between)"
-                )
+            state = opt.state.pop(p, None)
+            if state:
+                opt.state[tp.dparam] = {k: _state_like(v, p, tp, opt) for k, v in state.items()}
             params[i] = tp.dparam
     if any(_is_strided(pl) for tp in _tps_of(opt) for pl in tp.dparam.placements):
         _add_optimizer_hooks(opt)
+
+
+def _state_like(v, p: torch.Tensor, tp: TSPParam, opt: torch.optim.Optimizer):
+    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor) or v.dim() == 0:
+        return v
+    if tuple(v.shape) != tuple(p.shape):
+        raise OptimizerParameterError(
+            f"tspc: {type(opt).__name__} holds state of shape {tuple(v.shape)} for a parameter "
+            f"of shape {tuple(p.shape)} that tspc replaced by its DTensor after the model's "
+            "first call; build the optimizer from model.parameters() after the first call"
+        )
+    return _like_param(v, tp, keep_dtype=True)
 
 
 def _tps_of(opt: torch.optim.Optimizer) -> list[TSPParam]:
@@ -455,9 +491,9 @@ def _as_plain_shard(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _like_param(value: torch.Tensor, tp: TSPParam) -> torch.Tensor:
+def _like_param(value: torch.Tensor, tp: TSPParam, keep_dtype: bool = False) -> torch.Tensor:
     """``value`` (a full plain tensor, or a DTensor of any placement) as a DTensor with the
-    parameter's placement."""
+    parameter's placement (and dtype, unless ``keep_dtype``: optimizer state)."""
     dp = tp.dparam
     if isinstance(value, DTensor):
         if tuple(value.placements) != tuple(dp.placements):
@@ -472,7 +508,7 @@ def _like_param(value: torch.Tensor, tp: TSPParam) -> torch.Tensor:
     else:
         local = value
     return DTensor.from_local(
-        local.to(dp.dtype),
+        local if keep_dtype else local.to(dp.dtype),
         dp.device_mesh,
         dp.placements,
         run_check=False,
@@ -531,7 +567,7 @@ def _add_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
                 continue
             for k, v in list(st.items()):
                 if isinstance(v, DTensor) and v.shape == tp.dparam.shape:
-                    st[k] = _like_param(v, tp)
+                    st[k] = _like_param(v, tp, keep_dtype=True)
         return state_dict
 
     opt.register_state_dict_post_hook(post)

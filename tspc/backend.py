@@ -140,7 +140,12 @@ def _compile_static(
             if inp.kind == "input" and isinstance(inp.example, torch.Tensor)
         ]
     params = [i for i, inp in enumerate(info.inputs) if inp.kind == "parameter"]
-    return _CompiledTSPGraph(compiled, result.shard_inputs, releasable, params, checked, group)
+    layouts = {
+        s.param_index: STORE.get(example_inputs[s.param_index]).layout for s in result.shard_inputs
+    }
+    return _CompiledTSPGraph(
+        compiled, result.shard_inputs, layouts, releasable, params, checked, group
+    )
 
 
 def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
@@ -191,6 +196,7 @@ class _CompiledTSPGraph:
         self,
         fn: Callable,
         shard_inputs: list,
+        layouts: dict,
         releasable: list[int],
         params: list[int],
         checked_inputs: list[tuple[int, str]] | None,
@@ -204,6 +210,10 @@ class _CompiledTSPGraph:
         for s in shard_inputs:
             by_param.setdefault(s.param_index, []).append(s.spec)
         self.shard_inputs = list(by_param.items())
+        # every rank's slices of the weight at each position: Dynamo may run this graph for
+        # another module (a block compiled once for every layer), whose weights are declared
+        # on their first call here
+        self.layouts = layouts
         self.checked_inputs = checked_inputs
         self.group = group
         # Dynamo calls this with the graph's inputs as positional arguments (the function
@@ -218,6 +228,8 @@ class _CompiledTSPGraph:
             shards = []
             for i, specs in self.shard_inputs:
                 entry = STORE.get(flat[i])
+                if entry is None:
+                    entry = STORE.declare(flat[i], self.layouts[i], g.name, g.rank, g.size)
                 if entry.dparam is None:  # the first call: cut this rank's slices
                     create_sharded_dparam(flat[i], entry, keep_whole=i not in self.releasable)
                 shards.extend(local_views(entry, specs))
