@@ -42,6 +42,7 @@ from .graph_utils import (
     is_getitem,
     op_name,
     shape,
+    sink_after,
     tensor_inputs,
     tensor_val,
 )
@@ -560,9 +561,12 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 cat = parts[0]
             else:
                 cat = g.call_function(torch.cat, (parts, sh.dim))
-            for u in list(n.users):
-                if u not in region_set and u not in ignore_users:
-                    u.replace_input_with(n, cat)
+            outside = [u for u in n.users if u not in region_set and u not in ignore_users]
+            for u in outside:
+                u.replace_input_with(n, cat)
+            # Users may precede the schedule (a sliding-window cache slices its keys as soon
+            # as they exist): they move after the value that now feeds them.
+            sink_after(cat, outside)
     m.o_linear.replace_all_uses_with(out)
     # Remove what the schedule replaced. The old gathers are side-effectful (dead-code
     # elimination keeps them), so they are erased explicitly, users first.
