@@ -141,6 +141,7 @@ def test_any_length_compiles_to_tsp_and_the_report_says_padded(seq, fake_group):
         assert not notes, rep.notes
         return
     assert len(notes) == 1 and f"padded to {seq + pad} (+{pad} token" in notes[0], rep.notes
+    assert rep.padded_seq_len == seq + pad and f"(padded to {seq + pad})" in rep.summary()
 
 
 # --------------------------------------------------------------------------- gloo: reference model
