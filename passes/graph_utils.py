@@ -225,3 +225,29 @@ def fake_value(node: fx.Node) -> Any:
 def set_fake_value(node: fx.Node) -> fx.Node:
     node.meta["val"] = fake_value(node)
     return node
+
+
+def sink_after(anchor: fx.Node, nodes: Any) -> None:
+    """Restore definition-before-use after ``nodes`` were given ``anchor`` as an input.
+
+    A rewrite that inserts a new value and hands it to existing users may find some users
+    *earlier* in the graph than the new value (a KV cache that slices the keys right where they
+    are computed, before the attention the rewrite replaced). Those users, and every node
+    between them and ``anchor`` that depends on them, move to just after ``anchor`` in their
+    original order. Moving a node later cannot break its own inputs, and what depends on it is
+    moved along, so the graph stays valid."""
+    late = {n for n in nodes if n < anchor}
+    if not late:
+        return
+    moved: list[fx.Node] = []
+    moving = set(late)
+    n = min(late)
+    while n is not anchor:
+        if n in late or any(i in moving for i in n.all_input_nodes):
+            moving.add(n)
+            moved.append(n)
+        n = n.next
+    at = anchor
+    for n in moved:
+        at.append(n)
+        at = n

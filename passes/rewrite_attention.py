@@ -43,6 +43,7 @@ from .graph_utils import (
     is_getitem,
     op_name,
     shape,
+    sink_after,
     tensor_inputs,
     tensor_val,
 )
@@ -497,6 +498,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         )
     region_set = region_only | set(post)
     old_gathers = [n for n in (k_gather, v_gather) if n is not None]
+    # a padded sequence's gathers are cut back to the true length by a node of their own
+    old_gathers += [n.meta["tspc_unpad"] for n in old_gathers if "tspc_unpad" in n.meta]
     ignore_users = set(old_gathers) | {n.args[0] for n in old_gathers} | set(m.repeat_nodes)
     ignore_users |= {attention, m.o_linear}
     escapes: dict[fx.Node, list[fx.Node]] = {
@@ -579,14 +582,17 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 cat = parts[0]
             else:
                 cat = g.call_function(torch.cat, (parts, sh.dim))
-            for u in list(n.users):
-                if u not in region_set and u not in ignore_users:
-                    u.replace_input_with(n, cat)
+            outside = [u for u in n.users if u not in region_set and u not in ignore_users]
+            for u in outside:
+                u.replace_input_with(n, cat)
+            # Users may precede the schedule (a sliding-window cache slices its keys as soon
+            # as they exist): they move after the value that now feeds them.
+            sink_after(cat, outside)
     m.o_linear.replace_all_uses_with(out)
     # Remove what the schedule replaced. The old gathers are side-effectful (dead-code
     # elimination keeps them), so they are erased explicitly, users first.
     replaced = region_set | set(m.repeat_nodes) | {m.o_linear, attention}
-    replaced |= set(old_gathers) | {n.args[0] for n in old_gathers}
+    replaced |= set(old_gathers) | {n.args[0] for n in old_gathers if _is_gather_wait(n)}
     upstream: list[fx.Node] = []
     for n in sorted(replaced, reverse=True):  # fx nodes order as in the graph: users first
         if not n.users:
@@ -671,4 +677,11 @@ def _async_gather(g, local: fx.Node, template: fx.Node, tag: str, r: int) -> fx.
     )
     wait.meta["tspc_role"] = "kv_gather"
     wait.meta["tspc_step"] = r
-    return wait
+    unpad = template.meta.get("tspc_unpad")
+    if unpad is None:
+        return wait
+    return g.call_function(unpad.target, (wait, *unpad.args[1:]))
+
+
+def _is_gather_wait(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target is torch.ops.tspc.all_gather_wait.default

@@ -25,6 +25,23 @@ their gradient where they enter (``sync_replicated_grad``); replicated outputs h
 (identical) gradient over as a partial (``replicated_output``); and an *output* gather, whose
 consumers hold identical gradients on every rank, adjoins to "take my slice".
 
+Any length: a sequence of S tokens that does not split into 2D zigzag chunks runs padded to P,
+the next multiple of 2D, with the padding at its end (``runtime/zigzag.py``). Sharded values
+carry the padding (``Sharded(n=S, n_local=P/D)``: shape arguments become ``P/D`` per S), and
+only they do — a replicated value is always exactly the one-process value:
+
+* a replicated value cut to the local tokens is padded with copies of its last token first, so
+  padding tokens hold values real tokens hold (valid ids and positions, finite numbers, a mask
+  row that sees some key) and nothing they compute is NaN;
+* every gather drops the padding again (``drop_padding``), so an operation that needs every
+  token, the keys of attention included, never sees it: no real query attends to padding, and
+  the zigzag kernel cuts its blocks at the last real key;
+* sums and means over the tokens and token losses set the padding to zero or to the loss's
+  ``ignore_index`` first (``fill_padding``); a mean divides by the true count.
+
+Padding rows are computed and dropped; their gradient is zero everywhere (nothing real reads
+them), so gradients are exact too.
+
 Attention: keys and values are gathered where they leave the computation from local tokens —
 before any grouped-query head repetition, so only the KV heads move — and the queries stay
 local. ``is_causal`` becomes the zigzag causal kernel (no mask tensor at all); an explicit mask is
@@ -43,7 +60,7 @@ from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.autograd_glue import replicated_output, sync_replicated_grad
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.seq_reductions import sharded_cross_entropy, sharded_mean, sharded_sum
-from tspc.runtime.zigzag import check_divisible, zigzag_slice
+from tspc.runtime.zigzag import drop_padding, fill_padding, padded_length, zigzag_slice
 
 from .analyse import GraphInfo
 from .graph_utils import (
@@ -253,6 +270,7 @@ NO_VALUE = frozenset(
 class SeqShardReport:
     seq_len: int = 0
     world: int = 1
+    padded_len: int = 0  # the length the ranks run: seq_len, or padded to a multiple of 2D
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
     gathers: list[dict] = field(default_factory=list)  # what was gathered, for which op, why
     notes: list[str] = field(default_factory=list)
@@ -298,6 +316,10 @@ class _Propagator:
         self.info = info
         self.S = seq_len
         self.D = group.size
+        # A length that does not split into 2D chunks runs padded to P: the padding tokens are
+        # the last ones of the sequence. Sharded values carry them (n = S true tokens, n_local
+        # = P/D local ones); replicated values never do (see the module docstring).
+        self.P = padded_length(seq_len, group.size)
         self.rank = group.rank
         self.group = group.name
         self.gather_outputs = gather_outputs
@@ -338,11 +360,28 @@ class _Propagator:
         wait.meta["tspc_gather_of"] = x
         self.layout[start] = None
         self.layout[wait] = None
-        self._gathered[x] = wait
+        whole = self.unpad(wait, sh)
+        self._gathered[x] = whole
         self.report.gathers.append(
             {"value": x.name, "for": consumer.name, "op": op_name(consumer), "reason": reason}
         )
-        return wait
+        return whole
+
+    def unpad(self, gathered: fx.Node, sh: Sharded) -> fx.Node:
+        """The gathered value cut back to the true sequence length: replicated values never
+        hold padding, so whatever reads them sees exactly what one process computes — and the
+        padding tokens never become keys of any attention."""
+        if self.P == self.S:
+            return gathered
+        with self.g.inserting_after(gathered):
+            node = self.g.call_function(
+                drop_padding, (gathered, sh.dim, sh.outer, sh.inner, self.S)
+            )
+        node.meta["val"] = gathered.meta["val"]
+        node.meta["tspc_role"] = "seq_unpad"
+        gathered.meta["tspc_unpad"] = node
+        self.layout[node] = None
+        return node
 
     def slice(self, x: fx.Node, dim: int, like: Sharded) -> fx.Node:
         """This rank's zigzag part of replicated ``x`` along ``dim`` (structured like ``like``)."""
@@ -351,12 +390,28 @@ class _Propagator:
             return self._sliced[key]
         with self.g.inserting_after(x):
             node = self.g.call_function(
-                zigzag_slice, (x, dim, self.rank, self.D, like.outer, like.inner)
+                zigzag_slice, (x, dim, self.rank, self.D, like.outer, like.inner, self.P)
             )
         node.meta["val"] = x.meta["val"]  # global shape, like every value the rules see
         node.meta["tspc_role"] = "seq_slice"
         self.layout[node] = like.with_dim(dim)
         self._sliced[key] = node
+        return node
+
+    def fill_padding(self, x: fx.Node, value) -> fx.Node:
+        """``x`` with its padding tokens set to ``value``, for an operation that combines this
+        rank's tokens into one result (a sum, a loss): padding must count for nothing."""
+        if self.P == self.S:
+            return x
+        sh: Sharded = self.L(x)
+        with self.g.inserting_after(x):
+            node = self.g.call_function(
+                fill_padding,
+                (x, sh.dim, sh.outer, sh.inner, self.S, self.rank, self.D, value),
+            )
+        node.meta["val"] = x.meta["val"]
+        node.meta["tspc_role"] = "seq_fill_padding"
+        self.layout[node] = sh
         return node
 
     def make_replicated(self, node: fx.Node, reason: str) -> None:
@@ -405,12 +460,12 @@ class _Propagator:
             # values that must stay whole (the key padding of causal attention) keep the input
             users = [u for u in src.users if not u.meta.get("tspc_keep_full")]
             with self.g.inserting_before(first):
-                sl = self.g.call_function(zigzag_slice, (src, dim, self.rank, self.D, 1, 1))
+                sl = self.g.call_function(zigzag_slice, (src, dim, self.rank, self.D, 1, 1, self.P))
             sl.meta["val"] = src.meta["val"]  # global shape, like every value the rules see
             sl.meta["tspc_role"] = "seq_slice"
             for u in users:
                 replace_input(u, src, sl)
-            self.layout[sl] = Sharded(dim, self.S, self.S // self.D)
+            self.layout[sl] = Sharded(dim, self.S, self.P // self.D)
             self.report.sharded_inputs.append((inp.fqn, dim))
 
     # ------------------------------------------------------------------ kv gather points
@@ -448,8 +503,9 @@ class _Propagator:
                 g = self.gather(
                     node, sdpa, "attention keys/values need every token", self.tags.get(sdpa)
                 )
-                g.meta["tspc_role"] = "kv_gather"
-                g.meta["tspc_sdpa"] = sdpa
+                wait = g.args[0] if g.meta.get("tspc_role") == "seq_unpad" else g
+                wait.meta["tspc_role"] = "kv_gather"
+                wait.meta["tspc_sdpa"] = sdpa
                 replace_input(chain_user, node, g)
         self.finish_outputs()
 
@@ -555,6 +611,7 @@ class _Propagator:
             return None
         if name not in ("sum", "mean"):
             return False
+        x = self.fill_padding(x, 0)
         dtype = node.kwargs.get("dtype")
         tag = self.tag_for(node)
         if name == "sum":
@@ -1116,6 +1173,7 @@ class _Propagator:
             smoothing = node.args[6]
         if node.kwargs.get("size_average") is not None or node.kwargs.get("reduce") is not None:
             return False
+        target = self.fill_padding(target, ignore_index)  # padding tokens are not predicted
         node.target = sharded_cross_entropy
         node.args = (
             logits,
@@ -1166,7 +1224,12 @@ class _Propagator:
                         (start, a, sl.dim, sl.outer, sl.inner, False, self.group, self.D, "output"),
                     )
                 wait.meta["tspc_role"] = "output_gather"
-                return wait
+                if self.P == self.S:
+                    return wait
+                with self.g.inserting_before(out):
+                    return self.g.call_function(
+                        drop_padding, (wait, sl.dim, sl.outer, sl.inner, self.S)
+                    )
             tv = tensor_val(a)
             if tv is not None and tv.requires_grad and self.D > 1:
                 with self.g.inserting_before(out):
@@ -1174,6 +1237,22 @@ class _Propagator:
             return a
 
         out.args = fx.node.map_aggregate(out.args, fix)
+
+
+def padding_note(seq_len: int, padded: int, world: int, gather_outputs: bool) -> str:
+    """The report's line for a padded sequence: by how much, and what a user must know."""
+    pad = padded - seq_len
+    note = (
+        f"sequence length {seq_len} padded to {padded} (+{pad} token{'s' * (pad != 1)}) to "
+        f"split into 2D = {2 * world} zigzag chunks; the padding is never attended to and "
+        "counts in no sum or loss"
+    )
+    if not gather_outputs:
+        note += (
+            f"; outputs left sharded hold {padded // world} tokens per rank, the last {pad} "
+            "of the padded sequence being padding"
+        )
+    return note
 
 
 def shard_sequence(
@@ -1191,7 +1270,9 @@ def shard_sequence(
     if group.size == 1:
         report.notes.append("D = 1: nothing to shard")
         return report
-    check_divisible(seq_len, group.size)
+    report.padded_len = padded_length(seq_len, group.size)
+    if report.padded_len != seq_len:
+        report.notes.append(padding_note(seq_len, report.padded_len, group.size, gather_outputs))
     prop = _Propagator(gm, info, seq_len, group, gather_outputs, tags or {}, report)
     prop.run()
     gm.graph.eliminate_dead_code()

@@ -9,6 +9,14 @@ A sharded dimension may also hold the sequence merged with other dimensions, as 
 the ``n`` factor. Every function here takes ``(dim, outer, inner)`` for that reason; the common
 case is ``outer = inner = 1``.
 
+A length that does not split into 2D chunks is *padded* to the next multiple of 2D
+(``padded_length``): the padding tokens are the last chunks of the sequence, so rank 0's second
+chunk (the last one) takes them first. ``zigzag_slice(..., padded=P)`` cuts a replicated tensor
+as if it had ``P`` tokens, the extra ones copies of its last token (so they hold values a real
+token holds: valid indices, finite numbers, a mask row that sees some key);
+``drop_padding`` cuts a gathered tensor back to its true length, and ``fill_padding`` /
+``local_valid`` tell the padding apart in a local shard, for sums and losses over tokens.
+
 These are plain tensor functions (narrow / cat), so they trace into graphs, differentiate, and
 cost no communication.
 """
@@ -33,6 +41,13 @@ def check_divisible(n: int, world: int, what: str = "sequence length") -> int:
     return n // (2 * world)
 
 
+def padded_length(n: int, world: int) -> int:
+    """The smallest length of at least ``n`` that splits into 2D equal chunks (``n`` itself
+    when it already does)."""
+    two_d = 2 * world
+    return max(1, -(-n // two_d)) * two_d
+
+
 def zigzag_chunk_ids(rank: int, world: int) -> tuple[int, int]:
     """The two chunk indices (of 2D) that ``rank`` holds, in local order."""
     return rank, 2 * world - 1 - rank
@@ -55,13 +70,28 @@ def _split3(x: torch.Tensor, dim: int, outer: int, inner: int) -> tuple[torch.Te
 
 
 def zigzag_slice(
-    x: torch.Tensor, dim: int, rank: int, world: int, outer: int = 1, inner: int = 1
+    x: torch.Tensor,
+    dim: int,
+    rank: int,
+    world: int,
+    outer: int = 1,
+    inner: int = 1,
+    padded: int | None = None,
 ) -> torch.Tensor:
-    """This rank's zigzag part of a full (replicated) tensor along ``dim``."""
+    """This rank's zigzag part of a full (replicated) tensor along ``dim``.
+
+    With ``padded`` (a multiple of 2D), a shorter sequence is first extended to that length
+    with copies of its last token."""
     if world == 1:
         return x
     y, dim = _split3(x, dim, outer, inner)
     n = y.shape[dim + 1]
+    if padded is not None and padded > n:
+        last = y.narrow(dim + 1, n - 1, 1)
+        extra = list(y.shape)
+        extra[dim + 1] = padded - n
+        y = torch.cat([y, last.expand(extra)], dim + 1)
+        n = padded
     c = check_divisible(n, world)
     a, b = zigzag_chunk_ids(rank, world)
     local = torch.cat([y.narrow(dim + 1, a * c, c), y.narrow(dim + 1, b * c, c)], dim + 1)
@@ -100,3 +130,40 @@ def zigzag_stack_parts(
     return torch.stack(
         [zigzag_slice(full, dim, r, world, outer, inner) for r in range(world)], dim=0
     )
+
+
+def drop_padding(x: torch.Tensor, dim: int, outer: int, inner: int, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of a true-order tensor that holds a padded sequence along ``dim``
+    (the padding is at the end)."""
+    y, dim = _split3(x, dim, outer, inner)
+    if y.shape[dim + 1] == n:
+        return x
+    return y.narrow(dim + 1, 0, n).flatten(dim, dim + 2)
+
+
+def local_valid(n: int, rank: int, world: int, device=None) -> torch.Tensor:
+    """[P/D] bool: which of this rank's local tokens (of a sequence of true length ``n``,
+    padded to ``padded_length(n, world)``) are real."""
+    p = padded_length(n, world)
+    return zigzag_indices(p, rank, world).to(device) < n
+
+
+def fill_padding(
+    x: torch.Tensor,
+    dim: int,
+    outer: int,
+    inner: int,
+    n: int,
+    rank: int,
+    world: int,
+    value: float = 0,
+) -> torch.Tensor:
+    """A local shard with its padding tokens set to ``value`` (real tokens untouched): 0 before
+    a sum over tokens, a loss's ``ignore_index`` for its targets. ``where``, not a product:
+    whatever a padding token holds, it contributes nothing, not even a NaN."""
+    y, d = _split3(x, dim, outer, inner)
+    valid = local_valid(n, rank, world, x.device)
+    shape = [1] * y.dim()
+    shape[d + 1] = valid.numel()
+    fill = torch.full((), value, dtype=y.dtype, device=y.device)
+    return torch.where(valid.view(shape), y, fill).flatten(d, d + 2)

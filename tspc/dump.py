@@ -182,7 +182,8 @@ class GraphDump:
     def formula(self) -> dict:
         """The paper's per-layer bytes for every matched module, forward and backward."""
         D = self.report.world
-        S = self.report.seq_len
+        # the tokens the K/V gathers move: a padded sequence moves its padding too
+        S = self.report.padded_seq_len or self.report.seq_len
         terms, per_layer = {}, {}
         kinds_of: dict[str, set[str]] = {}
         for e in self.report.matched:
@@ -263,6 +264,7 @@ class GraphDump:
             "inner": self.inner,
             "overlap": self.overlap,
             "seq_len": self.report.seq_len,
+            "padded_seq_len": self.report.padded_seq_len,
             "batch": self.batch,
             "matched": rep["matched"],
             "skipped": rep["skipped"],
@@ -471,6 +473,12 @@ def _layer_rows(data: dict) -> list[list]:
     return rows
 
 
+def _padded(data: dict) -> str:
+    """' (padded to P)' for a sequence the ranks ran padded, else ''."""
+    p = data.get("padded_seq_len")
+    return f" (padded to {p})" if p and p != data.get("seq_len") else ""
+
+
 def summary_text(data: dict) -> str:
     def cell(v) -> str:
         return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
@@ -478,7 +486,7 @@ def summary_text(data: dict) -> str:
     lines = [
         f"graph {data['graph_id']} on rank {data['tsp_rank']} of {data['world_size']} "
         f"(process group: {data['process_group'] or 'none'}): ran '{data['level']}', "
-        f"sequence {data['seq_len']}, batch {data['batch']}"
+        f"sequence {data['seq_len']}{_padded(data)}, batch {data['batch']}"
     ]
     for m in data["matched"]:
         lines.append(f"  {m['kind']:9s} matched  {m['module']}")
@@ -557,7 +565,7 @@ def schedule_page(data: dict, schedules: list[GraphSchedule]) -> SchedulePage:
             f"{data['world_size']} (level '{data['level']}')"
         ),
         lines=[
-            f"sequence {data['seq_len']}, batch {data['batch']}, inner compiler "
+            f"sequence {data['seq_len']}{_padded(data)}, batch {data['batch']}, inner compiler "
             f"{data['inner']}, overlap {data['overlap']}, process group "
             f"{data['process_group'] or 'none'}",
             data["comm_bytes"]["convention"] + ".",

@@ -153,6 +153,7 @@ def run_pipeline(
             gm, info, group, seq_len, gather_outputs=opts.outputs == "gathered", tags=tags
         )
         report.sharded_inputs = sr.sharded_inputs
+        report.padded_seq_len = sr.padded_len
         report.gathers = sr.gathers
         report.notes += sr.notes
         propagate_shapes(gm, example_inputs)

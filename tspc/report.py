@@ -28,6 +28,9 @@ class CompileReport:
     rank: int
     world: int
     seq_len: int | None = None
+    # the length the ranks ran: seq_len padded to a multiple of 2D when it does not split
+    # into 2D zigzag chunks (None when the sequence was not sharded)
+    padded_seq_len: int | None = None
     level: str = "tsp"  # "tsp", "sp" or "replicated": what actually ran
     entries: list[ModuleEntry] = field(default_factory=list)
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
@@ -61,6 +64,11 @@ class CompileReport:
         lines = [
             f"tspc: graph {self.graph_id} on rank {self.rank}/{self.world}: ran '{self.level}'"
             + (f", sequence length {self.seq_len}" if self.seq_len else "")
+            + (
+                f" (padded to {self.padded_seq_len})"
+                if self.padded_seq_len and self.padded_seq_len != self.seq_len
+                else ""
+            )
         ]
         for e in self.entries:
             extra = f" ({e.reason})" if e.reason else ""

@@ -1,11 +1,17 @@
 """Causal attention of this rank's zigzag query chunks against the full, true-order keys.
 
-Rank p holds query chunks p and 2D-1-p (each c = S/2D tokens). Chunk j attends to keys
-[0, (j+1)c): a fully visible prefix [0, jc) and the causal diagonal block [jc, (j+1)c). Each
-part goes through the fused attention kernel on its own (no mask for the prefix, ``is_causal``
-for the diagonal) and the parts are merged by their log-sum-exps, so no c x S (let alone S x S)
-mask is ever built. An optional key-validity vector (padding) becomes a ``[B, 1, 1, L]`` additive
-mask per block.
+Rank p holds query chunks p and 2D-1-p (each c tokens, half its local queries). Chunk j attends
+to keys [0, (j+1)c): a fully visible prefix [0, jc) and the causal diagonal block [jc, (j+1)c).
+Each part goes through the fused attention kernel on its own (no mask for the prefix,
+``is_causal`` for the diagonal) and the parts are merged by their log-sum-exps, so no c x S (let
+alone S x S) mask is ever built. An optional key-validity vector (padding) becomes a
+``[B, 1, 1, L]`` additive mask per block.
+
+The keys may be fewer than 2Dc: a sequence padded to split into 2D chunks (``runtime/zigzag.py``)
+has its padding at the end, and the keys come without it. Blocks are then cut at the last key;
+a diagonal block cut short is square on its first rows only, and the query rows past it
+(padding, computed but dropped by the caller) take no part in it. So no real query ever sees a
+padding token, and the kernel's own causal convention for non-square blocks never matters.
 
 Backward uses the kernel's own backward per block, given the *merged* output and log-sum-exp
 (the same identity ring attention relies on: each block's softmax weights are
@@ -25,19 +31,32 @@ _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _blocks(rank: int, world: int, s_full: int):
-    """(query chunk slice, [(key start, key stop, is_causal)]) for each local chunk."""
+def _blocks(rank: int, world: int, n_queries: int, n_keys: int):
+    """(query chunk slice, [(key start, key stop, is_causal, query rows)]) for each local
+    chunk: the block's keys, and how many of the chunk's first query rows take part in it."""
     if world == 1:
-        return [((0, s_full), [(0, s_full, True)])]
-    c = s_full // (2 * world)
+        return [((0, n_queries), [(0, n_keys, True, n_queries)])]
+    c = n_queries // 2
     out = []
     for i, j in enumerate((rank, 2 * world - 1 - rank)):
         keys = []
-        if j > 0:
-            keys.append((0, j * c, False))
-        keys.append((j * c, (j + 1) * c, True))
+        prefix = min(j * c, n_keys)
+        if prefix > 0:
+            keys.append((0, prefix, False, c))
+        stop = min((j + 1) * c, n_keys)
+        if stop > j * c:  # the diagonal, square: rows past the last key are padding
+            keys.append((j * c, stop, True, stop - j * c))
         out.append(((i * c, (i + 1) * c), keys))
     return out
+
+
+def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
+    """``x`` ([B, H, r, ...]) extended along dim 2 to ``rows`` with ``value``."""
+    if x.shape[2] == rows:
+        return x
+    extra = list(x.shape)
+    extra[2] = rows - x.shape[2]
+    return torch.cat([x, x.new_full(extra, value)], dim=2)
 
 
 def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -66,22 +85,28 @@ def _visible(valid: torch.Tensor | None, k0: int, k1: int, causal: bool, nq: int
 
 
 def _forward(q, k, v, rank, world, scale, valid):
-    s_full = k.shape[2]
     k = _expand_kv(k, q.shape[1])
     v = _expand_kv(v, q.shape[1])
     outs, lses = [], []
-    for (q0, q1), keys in _blocks(rank, world, s_full):
+    for (q0, q1), keys in _blocks(rank, world, q.shape[2], k.shape[2]):
         qc = q[:, :, q0:q1]
         parts = []
-        for k0, k1, causal in keys:
+        for k0, k1, causal, rows in keys:
             mask = _additive_mask(valid, k0, k1, q.dtype)
             o, lse = _FWD(
-                qc, k[:, :, k0:k1], v[:, :, k0:k1], 0.0, causal, attn_mask=mask, scale=scale
+                qc[:, :, :rows],
+                k[:, :, k0:k1],
+                v[:, :, k0:k1],
+                0.0,
+                causal,
+                attn_mask=mask,
+                scale=scale,
             )
-            vis = _visible(valid, k0, k1, causal, q1 - q0)
+            vis = _visible(valid, k0, k1, causal, rows)
             if vis is not None:  # the kernel reports lse = 0 for a row that sees no key
                 lse = lse.masked_fill(~vis, float("-inf"))
-            parts.append((o, lse))
+            # rows that take no part in this block: nothing seen (output 0, lse -inf)
+            parts.append((_pad_rows(o, q1 - q0, 0.0), _pad_rows(lse, q1 - q0, float("-inf"))))
         if len(parts) == 1:
             o, lse = parts[0]
         else:
@@ -127,7 +152,6 @@ def _setup(ctx, inputs, output):
 
 def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
     n_heads, kv_heads = q.shape[1], k.shape[1]
-    s_full = k.shape[2]
     ke = _expand_kv(k, n_heads)
     ve = _expand_kv(v, n_heads)
     # Rows that see no key at all: output 0, no gradient. lse=+inf makes every weight 0.
@@ -135,26 +159,27 @@ def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
     dq_parts = []
     dk = torch.zeros_like(ke)
     dv = torch.zeros_like(ve)
-    for (q0, q1), keys in _blocks(rank, world, s_full):
+    for (q0, q1), keys in _blocks(rank, world, q.shape[2], k.shape[2]):
         go = grad_out[:, :, q0:q1]
         qc = q[:, :, q0:q1]
         oc = out[:, :, q0:q1]
         lc = lse_b[:, :, q0:q1]
         dqc = None
-        for k0, k1, causal in keys:
+        for k0, k1, causal, rows in keys:
             mask = _additive_mask(valid, k0, k1, q.dtype)
             dq_b, dk_b, dv_b = _BWD(
-                go,
-                qc,
+                go[:, :, :rows],
+                qc[:, :, :rows],
                 ke[:, :, k0:k1],
                 ve[:, :, k0:k1],
-                oc,
-                lc,
+                oc[:, :, :rows],
+                lc[:, :, :rows],
                 0.0,
                 causal,
                 attn_mask=mask,
                 scale=scale,
             )
+            dq_b = _pad_rows(dq_b, q1 - q0, 0.0)
             dqc = dq_b if dqc is None else dqc + dq_b
             dk[:, :, k0:k1] += dk_b
             dv[:, :, k0:k1] += dv_b
