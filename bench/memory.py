@@ -33,7 +33,7 @@ peak: saved activations, the working set, logits). Nothing is subtracted or spec
 
 A training step is ``zero_grad(set_to_none=True)``, forward + loss, backward, ``AdamW.step()``;
 a forward step is the loss under ``torch.no_grad()``. TSP's optimizer owns this rank's shards
-plus the unmatched parameters (``tspc.parameters``).
+plus the unmatched parameters (``model.parameters()``: DTensors after the first call).
 
 The must-show bound, checked for the TSP rows: per-rank peak <= 1.25 * (one-process peak / D)
 + 2 weight shards, where a weight shard is one layer's matched weights / D (the attention
@@ -211,11 +211,10 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
 
 
 def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
-    import tspc
     from bench.baselines import param_groups
 
     if job.scheme == "tsp":
-        params: Any = list(tspc.parameters(model))
+        params: Any = list(model.parameters())
     elif job.scheme in ("tp", "tp_sp"):
         params = param_groups(model)  # DTensor and plain parameters in separate groups
     else:
@@ -258,8 +257,13 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         t2 = time.perf_counter()
         shards = shards_of(model)
         result = breakdown(model, optimizer, extra_params=shards, tracker=tracker)
-        # Full matched weights still held (0 once the backend releases them after sharding).
-        result["full_weights"] = storage_bytes(p for p in model.parameters() if is_matched_param(p))
+        # Full matched weights still held: the stand-ins the graphs receive (0 bytes once the
+        # backend released them after sharding; the module holds DTensors of the slices).
+        from tspc.runtime.tsp_params import tsp_param_of
+
+        result["full_weights"] = storage_bytes(
+            tsp_param_of(p).handle for p in model.parameters() if is_matched_param(p)
+        )
         result["shards"] = storage_bytes(shards)
     reports = tspc.report.REPORTS[n_reports:]
     report = reports[-1] if reports else None

@@ -189,7 +189,6 @@ def _compiler_for(inner: str) -> dict[str, Any]:
 
 def build_runner(key: str, model_shape: ModelShape, inner: str, fake_group=None) -> Runner:
     """``key``: eager, inductor, aot_eager, tsp[:inner], tsp_no_overlap, tsp_no_comm, tp_sp, tp."""
-    import tspc
     from bench.baselines import build_tp, build_tp_sp
     from samples.reference_model import build_reference_model
 
@@ -216,7 +215,7 @@ def build_runner(key: str, model_shape: ModelShape, inner: str, fake_group=None)
     elif key != "tsp":
         raise ValueError(f"unknown configuration {key!r}")
     compiled = torch.compile(model, backend="tsp", options=options, dynamic=False)
-    return Runner(key, compiled, lambda: list(tspc.parameters(model)))
+    return Runner(key, compiled, lambda: list(model.parameters()))
 
 
 def _prepare_process() -> None:

@@ -2,8 +2,9 @@
 
     python samples/train_tsp.py --world-size 2 --steps 5
 
-Every rank runs the same data; the optimizer owns ``tspc.parameters(model)`` (this rank's
-shards plus the unsharded parameters). After the last step ``tspc.state_dict`` rebuilds the
+Every rank runs the same data through the ordinary loop: ``AdamW(model.parameters())`` built
+before the first call, ``clip_grad_norm_``, ``step``. After the first call the parameters are
+DTensors holding this rank's slices; after the last step DTensor's ``full_tensor`` rebuilds the
 full model, which is compared with the same training run in one process without tspc.
 """
 
@@ -27,35 +28,36 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_rank(rank: int, world: int, args: dict) -> dict:
-    import tspc
 
     kw = {"num_layers": args["layers"], "hidden_size": args["hidden"]}
     reference = build_reference_model(seed=0, **kw)
-    model = torch.compile(build_reference_model(seed=0, **kw), backend="tsp")
+    net = build_reference_model(seed=0, **kw)
+    model = torch.compile(net, backend="tsp")
     gen = torch.Generator().manual_seed(0)
     batches = [
         torch.randint(0, 256, (args["batch"], args["seq"]), generator=gen)
         for _ in range(args["steps"])
     ]
-    with torch.no_grad():
-        model(batches[0])  # the first forward cuts this rank's shards
-    opt = torch.optim.AdamW(tspc.parameters(model), lr=args["lr"], eps=1e-4)
+    # the ordinary idiom: after the first call these are DTensors holding this rank's slices
+    opt = torch.optim.AdamW(model.parameters(), lr=args["lr"], eps=1e-4)
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=args["lr"], eps=1e-4)
     losses, ref_losses = [], []
     for ids in batches:
         loss = lm_loss(model(ids), ids)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         ref_loss = lm_loss(reference(ids), ids)
         ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
         opt_ref.step()
         opt_ref.zero_grad()
         ref_losses.append(ref_loss.item())
-    full = tspc.state_dict(model)
+    full = {k: v.full_tensor() for k, v in net.state_dict().items()}  # DTensors, gathered
     diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
-    owned = sum(p.numel() for p in tspc.parameters(model))
+    owned = sum(p.to_local().numel() for p in net.parameters())
     total = sum(p.numel() for p in reference.parameters())
     return {
         "losses": losses,
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['owned'] / r['total']:.0%})"
         )
     worst = max(r["diff"] for r in results)
-    print(f"max |tspc.state_dict - one process| after {a.steps} steps: {worst:.2e}")
+    print(f"max |parameters - one process| after {a.steps} steps: {worst:.2e}")
     ok = worst < 1e-4
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
