@@ -27,3 +27,11 @@ def no_fake_mode():
     except ImportError:  # pragma: no cover - a torch without it
         return contextlib.nullcontext()
     return unset_fake_temporarily()
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` when the current backward pass ends (what DDP and FSDP use to finish their
+    gradient reductions; private in torch 2.13)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)

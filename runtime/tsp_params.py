@@ -118,6 +118,7 @@ class TSPParam:
     world: int
     entry: ShardedParam | None = None  # None for a replicated parameter
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+    original: nn.Parameter | None = None  # until the modules hold the DTensor
 
     @property
     def sharded(self) -> bool:
@@ -246,61 +247,74 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
 # --------------------------------------------------------------------------- adoption
 
 
-def adopt(params: Iterable[nn.Parameter], group: str, world: int) -> list[TSPParam]:
-    """Make the modules holding ``params`` hold DTensor parameters instead (after a graph's
-    first call), and release the full storage of the sharded ones."""
+def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
+    """The TSPParam of a parameter a graph receives (created at its first call): the DTensor
+    parameter exists from the first call on, so gradients land on it from the first backward.
+    The module keeps the original until ``adopt``."""
+    tp = REGISTRY.get(p)
+    if tp is not None:
+        return tp
+    entry = STORE.get(p)
+    mesh = mesh_of(group, p.device)
+    if entry is not None and entry.dparam is not None:
+        dparam = entry.dparam
+        handle = p if entry.placement[0] == "replicate" else _storage_less(p)
+        STORE.alias(handle, p)
+    else:
+        entry = None
+        dparam, handle = _replicated_dparam(p, mesh), p
+    tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
+    REGISTRY.add(p, tp)
+    REGISTRY.add(handle, tp)
+    REGISTRY.add(dparam, tp)
+    if not tp.sharded:
+        # graphs get the DTensor's local tensor in its place (``graph_input``); a use of the
+        # stand-in outside them (eager code between graph breaks) is routed here
+        _route_grad(handle, tp)
+    return tp
+
+
+def graph_input(tp: TSPParam) -> torch.Tensor:
+    """What a compiled graph receives for this parameter in this call: the local tensor of a
+    replicated DTensor (``to_local`` is differentiable: the gradient lands on the DTensor), or
+    the storage-less stand-in of a sharded weight (the graph reads its slices instead)."""
+    return tp.handle if tp.sharded else tp.dparam.to_local()
+
+
+def adopt(tps: Iterable[TSPParam]) -> None:
+    """Make the modules holding the parameters of ``tps`` hold their DTensors instead (after
+    a graph's first call), and release the full storage of the sharded ones."""
     from .release import owner_modules_of, release_original
 
-    todo = []
-    for p in params:
-        if p in REGISTRY or not isinstance(p, nn.Parameter) or isinstance(p, DTensor):
-            continue
-        if any(q is p for q in todo):
-            continue
-        todo.append(p)
+    todo = [tp for tp in tps if not tp.owners and tp.original is not None]
+    todo = list({id(tp): tp for tp in todo}.values())
     if not todo:
-        return []
-    owners = owner_modules_of(todo)
+        return
+    originals = [tp.original for tp in todo]
+    owners = owner_modules_of(originals)
     entry_module = _entry_module()
-    adopted = []
-    for p in todo:
-        entry = STORE.get(p)
-        mesh = mesh_of(group, p.device)
-        if entry is not None and entry.dparam is not None:
-            dparam = entry.dparam
-            handle = p if entry.placement[0] == "replicate" else _storage_less(p)
-            STORE.alias(handle, p)
-        else:
-            entry = None
-            dparam, handle = _replicated_dparam(p, mesh), p
-        tp = TSPParam(dparam, handle, mesh, group, world, entry)
+    for tp, p in zip(todo, originals):
         for m in owners[id(p)]:
             for name, v in m._parameters.items():
                 if v is p:
                     tp.owners.append((m, name))
-        REGISTRY.add(p, tp)
-        REGISTRY.add(handle, tp)
-        REGISTRY.add(dparam, tp)
-        if not tp.sharded:
-            _route_grad(handle, tp)
         for m, name in tp.owners:
-            m._parameters[name] = dparam
+            m._parameters[name] = tp.dparam
             _add_eager_guard(m)
             if tp.placement[0] == "strided":
                 _add_state_dict_hooks(m)
             _add_load_hooks(m)
         if tp.sharded:
             release_original(p)
-        adopted.append(tp)
+        tp.original = None  # released or the stand-in itself: nothing more to do with it
     if entry_module is not None:
-        _watch(entry_module, adopted)
+        _watch(entry_module, todo)
     else:
         log.warning(
             "tspc: the compiled graph was not called from a module's __call__; the model now "
             "holds DTensor parameters and must be called through torch.compile(model, "
             "backend='tsp') (or a model whose forward was compiled)"
         )
-    return adopted
 
 
 def _route_grad(handle: nn.Parameter, tp: TSPParam) -> None:

@@ -33,7 +33,13 @@ from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
-from tspc.runtime.tsp_params import adopt, create_sharded_dparam, local_views
+from tspc.runtime.tsp_params import (
+    adopt,
+    create_sharded_dparam,
+    graph_input,
+    local_views,
+    prepare,
+)
 
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
@@ -233,12 +239,18 @@ class _CompiledTSPGraph:
                 if entry.dparam is None:  # the first call: cut this rank's slices
                     create_sharded_dparam(flat[i], entry, keep_whole=i not in self.releasable)
                 shards.extend(local_views(entry, specs))
+            tps = []
+            if g.size > 1:
+                for i in self.params:
+                    tp = prepare(flat[i], g.name, g.size)
+                    flat[i] = graph_input(tp)
+                    tps.append(tp)
             if g.dp_size > 1:
-                dparams = [STORE.get(flat[i]).dparam for i, _ in self.shard_inputs]
-                average_grads_over(dparams + [flat[i] for i in self.params], g.dp_name, g.dp_size)
+                dp_params = [tp.dparam for tp in tps] or [flat[i] for i in self.params]
+                average_grads_over(dp_params, g.dp_name, g.dp_size)
             out = self.fn(*flat, *shards)
-        if g.size > 1:
-            adopt([flat[i] for i in self.params], g.name, g.size)
+        if tps:
+            adopt(tps)
         return out
 
 
