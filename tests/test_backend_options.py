@@ -50,3 +50,15 @@ def test_group_must_be_a_process_group_or_mesh():
 
     with pytest.raises(GroupResolutionError, match="ProcessGroup or a DeviceMesh"):
         resolve_group(group="world")
+
+
+def test_launcher_without_process_group_is_an_error_not_a_silent_single_rank(monkeypatch):
+    """torchrun sets WORLD_SIZE; forgetting init_process_group would run every process as
+    D = 1 on the whole model."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    compiled = torch.compile(build_reference_model(num_layers=1), backend="tsp")
+    with pytest.raises(Exception, match=r"WORLD_SIZE=2 is set but torch.distributed is not"):
+        compiled(torch.randint(0, 256, (1, 16)))
