@@ -37,6 +37,7 @@ from tspc.runtime.tsp_params import (
     adopt,
     create_sharded_dparam,
     graph_input,
+    layout_placement,
     local_views,
     prepare,
 )
@@ -136,8 +137,19 @@ def _compile_static(
         s.example = None  # the compiled graph has what it needs; don't hold slices of weights
     releasable, kept = _releasable_parameters(result.gm, example_inputs)
     for name in kept:
-        report.notes.append(f"{name} is sharded but still used whole by this graph; not released")
+        report.notes.append(
+            f"{name} is sharded but still used whole by this graph: not released, held as a "
+            "Replicate() DTensor"
+        )
     info = analyse(gm, example_inputs)
+    for i in sorted({s.param_index for s in result.shard_inputs}):
+        entry = STORE.get(example_inputs[i])
+        if layout_placement(entry.layout, tuple(entry.full_shape)) == ("replicate",):
+            report.notes.append(
+                f"{info.inputs[i].fqn}: its slices per rank are no DTensor placement (fused "
+                "parts of unequal sizes, or an uneven split); held whole on every rank as a "
+                "Replicate() DTensor, gradient summed over the group (memory not 1/D)"
+            )
     checked = None
     if opts.check_inputs and group.size > 1:
         checked = [
