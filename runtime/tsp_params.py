@@ -231,13 +231,18 @@ class _SumGradOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce autograd's own
         dist.all_reduce(grad, group=process_group(ctx.group))
         return grad, None
 
 
 def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tensor]:
-    """This call's views of the DTensor's local tensor, one per slice the graph reads."""
+    """This call's views of the DTensor's local tensor, one per slice the graph reads.
+
+    A weight held whole (Replicate) gets its gradient summed here, outside the graph: every
+    rank must then read at least one slice of it, or the sums would not pair up across ranks
+    (true of the layouts the passes make: fused Q/K/V, weights also used whole; separate K/V
+    weights of shared KV heads never come here, they stay plain replicated inputs)."""
     local = entry.dparam.to_local()
     if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
         local = _SumGradOverGroup.apply(local, entry.group)
