@@ -35,3 +35,19 @@ def queue_backward_callback(fn) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.queue_callback(fn)
+
+
+def fake_tensor_mode(**kwargs):
+    """``FakeTensorMode``: tensors with shape, dtype and device but no data (``tspc dump
+    --device cuda`` traces CUDA graphs on a machine without one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(**kwargs)
+
+
+def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
+    """Whether the dispatcher holds a kernel of ``op_name`` ("aten::mm", "aten::add.Tensor")
+    for dispatch key ``key`` ("CUDA", "CompositeImplicitAutograd", ...). Private in 2.13."""
+    import torch
+
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)

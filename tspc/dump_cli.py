@@ -12,6 +12,13 @@ same files a real run writes with ``options={"dump_dir": OUT}``. A short summary
 ``--rank all`` dumps every rank in turn and compares the order of their collectives: ranks that
 would issue different collectives hang, and the command then says which and exits with 1.
 
+``--device cuda`` traces on fake CUDA tensors (``tspc/fake_cuda.py``: no GPU needed) and adds
+``device_check.json`` (``tspc/device_check.py``): every op of the graphs and of the zigzag
+attention's forward and backward bodies that has no CUDA kernel (the command then exits with 1),
+and the attention kernels chosen. Without a real GPU the autograd engine cannot run on CUDA
+tensors, so only the forward graph is traced (as an inference graph); the attention backward
+kernels are still checked.
+
 TARGET is one of
 
 * ``FILE.py:FUNC`` or ``package.module:FUNC`` — FUNC returns ``(model, inputs)``, where inputs is
@@ -279,11 +286,44 @@ def _clear_old_dump(rank_dir: str) -> None:
             shutil.rmtree(d)
 
 
+@contextlib.contextmanager
+def _on_fake_cuda(target: Target, backward: bool) -> Iterator[tuple[Target, bool]]:
+    """``target`` on fake CUDA tensors, and whether a backward can run (needs a real GPU)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from tspc import fake_cuda
+    from tspc.measure import _keep_fake_parameter_class
+    from tspc.runtime.compat import fake_tensor_mode
+
+    try:
+        fake_cuda.ensure_device_guard()
+    except fake_cuda.FakeCudaUnavailable as e:
+        raise DumpError(str(e)) from e
+    grads = backward and fake_cuda.autograd_available()
+    mode = fake_tensor_mode(allow_non_fake_inputs=True)
+    model = fake_cuda.model_to_fake_cuda(target.model, mode, requires_grad=grads)
+
+    def conv(x):
+        return fake_cuda.fake_cuda_like(mode, x) if isinstance(x, torch.Tensor) else x
+
+    fake = Target(model, tree_map(conv, target.args), tree_map(conv, target.kwargs), target.what)
+    with _keep_fake_parameter_class(), mode, torch.set_grad_enabled(grads):
+        yield fake, grads
+
+
 def dump_rank(
-    target: Target, rank: int, world: int, out: str, options: dict, backward: bool = True
+    target: Target,
+    rank: int,
+    world: int,
+    out: str,
+    options: dict,
+    backward: bool = True,
+    device: str = "cpu",
 ) -> list:
     """Compile and run ``target`` as rank ``rank`` of ``world``; the ``GraphDump`` of every
-    graph it compiled (one per Dynamo graph)."""
+    graph it compiled (one per Dynamo graph). ``device="cuda"``: on fake CUDA tensors, with a
+    ``device_check`` (``tspc/device_check.py``) on every dump."""
     import torch
 
     from tspc import backend
@@ -294,17 +334,64 @@ def dump_rank(
         torch._dynamo.reset()  # never reuse another rank's graph
         backend._GRAPH_IDS = itertools.count()  # number graphs from 0, as a fresh process does
         first = len(DUMPS)
-        compiled = torch.compile(target.model, backend="tsp", options={**options, "dump_dir": out})
-        result = compiled(*target.args, **target.kwargs)
-        if backward:
-            loss = _loss_of(result)
-            if loss is not None:
-                loss.backward()
+        on_device = (
+            _on_fake_cuda(target, backward)
+            if device == "cuda"
+            else contextlib.nullcontext((target, backward))
+        )
+        with on_device as (target, backward):
+            opts = {**options, "dump_dir": out}
+            compiled = torch.compile(target.model, backend="tsp", options=opts)
+            result = compiled(*target.args, **target.kwargs)
+            if backward:
+                loss = _loss_of(result)
+                if loss is not None:
+                    loss.backward()
         dumps = DUMPS[first:]
         torch._dynamo.reset()
     if not dumps:
         raise DumpError("the backend compiled no graph (is the model's forward empty?)")
+    if device == "cuda":
+        for d in dumps:
+            _write_device_check(d)
     return dumps
+
+
+def _write_device_check(dump) -> None:
+    from tspc.device_check import check_graphs
+
+    if dump.inner == "eager":  # no aot graphs: the pipeline's graph is what runs
+        forward, backward = [dump.result.gm], []
+    else:
+        forward, backward = dump.graphs.forward_gms, dump.graphs.backward_gms
+    dump.device_check = dict(check_graphs(forward, backward), device="cuda")
+    with open(os.path.join(dump.dir, "device_check.json"), "w") as f:
+        json.dump(dump.device_check, f, indent=2)
+        f.write("\n")
+
+
+def device_check_text(check: dict) -> str:
+    """What ``tspc dump --device cuda`` prints of a dump's ``device_check.json``."""
+    bad = {where: ops for where, ops in check["cpu_only_ops"].items() if ops}
+    lines = [
+        "device cuda: "
+        + (
+            "CPU-only ops: " + "; ".join(f"{w}: {', '.join(o)}" for w, o in bad.items())
+            if bad
+            else f"every op has a CUDA kernel ({check['ops_checked']} ops checked)"
+        )
+    ]
+    kernels = {w: k for w, k in check["attention_kernels"].items() if k}
+    lines.append(
+        "attention kernels: "
+        + ("; ".join(f"{w}: {', '.join(k)}" for w, k in kernels.items()) or "none")
+    )
+    if not check["backward_graph_traced"]:
+        lines.append(
+            "backward graph not traced: autograd on CUDA tensors needs a GPU (forward graph "
+            "traced as inference; the attention backward kernels are checked)"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _file_list(d: str) -> str:
@@ -338,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="backend option, e.g. overlap=false, schedules=sp, inner=inductor",
     )
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="trace on fake tensors of this device; cuda adds device_check.json (no GPU needed)",
+    )
     p.add_argument("--max-params", type=float, default=5e8, help="refuse configs larger than this")
     return p
 
@@ -374,21 +467,29 @@ def _run(a: argparse.Namespace) -> int:
         raise DumpError(str(e)) from e
 
     digests: dict[int, list[dict]] = {}
+    cpu_only = False
     for i, rank in enumerate(ranks):
         target = load_target(a.target, a.seq, a.batch, sets, a.max_params)
-        dumps = dump_rank(target, rank, a.world_size, a.out, options, not a.no_backward)
+        dumps = dump_rank(target, rank, a.world_size, a.out, options, not a.no_backward, a.device)
+        if a.device == "cuda" and any(
+            ops for d in dumps for ops in d.device_check["cpu_only_ops"].values()
+        ):
+            cpu_only = True
         reports = [d.report_dict() for d in dumps]
         digests[rank] = [r["issue_order_digest"] for r in reports]
         if i == 0:
             print(
                 f"tspc dump: {target.what}, rank {rank} of {a.world_size}, graph-only "
                 f"(fake process group), batch {a.batch}, sequence {a.seq}"
+                + (", on fake CUDA tensors" if a.device == "cuda" else "")
             )
             if len(dumps) > 1:
                 print(f"{len(dumps)} graphs: the model has graph breaks")
             for d in dumps:
                 with open(os.path.join(d.dir, "summary.txt")) as f:
                     print(f.read(), end="")
+                if a.device == "cuda":
+                    print(device_check_text(d.device_check), end="")
                 print(f"wrote {d.dir}/: {_file_list(d.dir)}\n")
         else:
             print(f"rank {rank}: wrote {', '.join(d.dir for d in dumps)}")
@@ -403,7 +504,7 @@ def _run(a: argparse.Namespace) -> int:
             )
             return 1
         print(f"collective issue order identical on all {len(ranks)} ranks")
-    return 0
+    return 1 if cpu_only else 0
 
 
 if __name__ == "__main__":

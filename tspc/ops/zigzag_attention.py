@@ -13,10 +13,12 @@ a diagonal block cut short is square on its first rows only, and the query rows 
 (padding, computed but dropped by the caller) take no part in it. So no real query ever sees a
 padding token, and the kernel's own causal convention for non-square blocks never matters.
 
-Backward uses the kernel's own backward per block, given the *merged* output and log-sum-exp
-(the same identity ring attention relies on: each block's softmax weights are
-``exp(scores - lse_total)``). GQA is handled here: keys and values may have fewer heads than
-the queries.
+Each block runs on the kernel that fits the device and dtype (``attention_kernels.py``: CPU
+flash, CUDA/ROCm flash or memory-efficient, a math fallback). Backward uses the kernel's own
+backward per block, given the *merged* output and log-sum-exp (the same identity ring attention
+relies on: each block's softmax weights are ``exp(scores - lse_total)``). The merge is in fp32
+on every device. Keys and values may have fewer heads than the queries (GQA); they are never
+repeated (see ``attention_kernels.py``).
 
 The op does no communication; it only needs ``rank`` and ``world`` to know which chunks it holds.
 """
@@ -27,8 +29,7 @@ import math
 
 import torch
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from .attention_kernels import block_backward, block_forward
 
 
 def _blocks(rank: int, world: int, n_queries: int, n_keys: int):
@@ -59,11 +60,6 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return torch.cat([x, x.new_full(extra, value)], dim=2)
 
 
-def _expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rep = n_heads // x.shape[1]
-    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
-
-
 def _additive_mask(valid: torch.Tensor | None, k0: int, k1: int, dtype) -> torch.Tensor | None:
     if valid is None:
         return None
@@ -85,26 +81,26 @@ def _visible(valid: torch.Tensor | None, k0: int, k1: int, causal: bool, nq: int
 
 
 def _forward(q, k, v, rank, world, scale, valid):
-    k = _expand_kv(k, q.shape[1])
-    v = _expand_kv(v, q.shape[1])
     outs, lses = [], []
     for (q0, q1), keys in _blocks(rank, world, q.shape[2], k.shape[2]):
         qc = q[:, :, q0:q1]
         parts = []
         for k0, k1, causal, rows in keys:
             mask = _additive_mask(valid, k0, k1, q.dtype)
-            o, lse = _FWD(
+            o, lse = block_forward(
                 qc[:, :, :rows],
                 k[:, :, k0:k1],
                 v[:, :, k0:k1],
-                0.0,
-                causal,
-                attn_mask=mask,
+                causal=causal,
+                bias=mask,
                 scale=scale,
             )
             vis = _visible(valid, k0, k1, causal, rows)
-            if vis is not None:  # the kernel reports lse = 0 for a row that sees no key
+            if vis is not None:
+                # a row that sees no key: CPU flash reports lse = 0, the efficient kernel may
+                # give a NaN output (0/0); what it saw is nothing: output 0, lse -inf
                 lse = lse.masked_fill(~vis, float("-inf"))
+                o = o.masked_fill(~vis[..., None], 0.0)
             # rows that take no part in this block: nothing seen (output 0, lse -inf)
             parts.append((_pad_rows(o, q1 - q0, 0.0), _pad_rows(lse, q1 - q0, float("-inf"))))
         if len(parts) == 1:
@@ -151,14 +147,11 @@ def _setup(ctx, inputs, output):
 
 
 def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
-    n_heads, kv_heads = q.shape[1], k.shape[1]
-    ke = _expand_kv(k, n_heads)
-    ve = _expand_kv(v, n_heads)
     # Rows that see no key at all: output 0, no gradient. lse=+inf makes every weight 0.
     lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
     dq_parts = []
-    dk = torch.zeros_like(ke)
-    dv = torch.zeros_like(ve)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
     for (q0, q1), keys in _blocks(rank, world, q.shape[2], k.shape[2]):
         go = grad_out[:, :, q0:q1]
         qc = q[:, :, q0:q1]
@@ -167,16 +160,15 @@ def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
         dqc = None
         for k0, k1, causal, rows in keys:
             mask = _additive_mask(valid, k0, k1, q.dtype)
-            dq_b, dk_b, dv_b = _BWD(
+            dq_b, dk_b, dv_b = block_backward(
                 go[:, :, :rows],
                 qc[:, :, :rows],
-                ke[:, :, k0:k1],
-                ve[:, :, k0:k1],
+                k[:, :, k0:k1],
+                v[:, :, k0:k1],
                 oc[:, :, :rows],
                 lc[:, :, :rows],
-                0.0,
-                causal,
-                attn_mask=mask,
+                causal=causal,
+                bias=mask,
                 scale=scale,
             )
             dq_b = _pad_rows(dq_b, q1 - q0, 0.0)
@@ -185,10 +177,6 @@ def _attention_backward(grad_out, q, k, v, out, lse, rank, world, scale, valid):
             dv[:, :, k0:k1] += dv_b
         dq_parts.append(dqc)
     dq = dq_parts[0] if len(dq_parts) == 1 else torch.cat(dq_parts, dim=2)
-    if kv_heads != n_heads:  # sum the gradients of the repeated heads back onto their KV head
-        rep = n_heads // kv_heads
-        dk = dk.unflatten(1, (kv_heads, rep)).sum(2)
-        dv = dv.unflatten(1, (kv_heads, rep)).sum(2)
     return dq, dk, dv
 
 
