@@ -228,6 +228,9 @@ class _CompiledTSPGraph:
         for s in shard_inputs:
             by_param.setdefault(s.param_index, []).append(s.spec)
         self.shard_inputs = list(by_param.items())
+        # the graph's shard placeholders in their own order (one parameter's slices need not
+        # be adjacent: a fused gate_up weight's two slices with its bias's between them)
+        self.shard_order = [(s.param_index, s.spec) for s in shard_inputs]
         # every rank's slices of the weight at each position: Dynamo may run this graph for
         # another module (a block compiled once for every layer), whose weights are declared
         # on their first call here
@@ -243,14 +246,15 @@ class _CompiledTSPGraph:
         if self.checked_inputs:
             check_same_inputs([(name, flat[i]) for i, name in self.checked_inputs], g.name, g.size)
         with tspc_internal():  # the inputs include the stand-ins of sharded weights
-            shards = []
+            views = {}
             for i, specs in self.shard_inputs:
                 entry = STORE.get(flat[i])
                 if entry is None:
                     entry = STORE.declare(flat[i], self.layouts[i], g.name, g.rank, g.size)
                 if entry.dparam is None:  # the first call: cut this rank's slices
                     create_sharded_dparam(flat[i], entry, keep_whole=i not in self.releasable)
-                shards.extend(local_views(entry, specs))
+                views.update(zip(((i, s) for s in specs), local_views(entry, specs)))
+            shards = [views[key] for key in self.shard_order]
             tps = []
             if g.size > 1:
                 for i in self.params:
