@@ -180,16 +180,17 @@ def _last_dim_part(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     if not isinstance(src, fx.Node):
         return None
     if is_getitem(node) and op_name(src) in ("chunk", "split", "split_with_sizes"):
-        items = val(src)
+        items, i = val(src), node.args[1]
+        if not isinstance(i, int) or not all(isinstance(t, torch.Tensor) for t in items):
+            return None
         dim = arg(src, 2, "dim", 0)
         ndim = len(items[0].shape)
-        if dim not in (-1, ndim - 1):
+        if ndim == 0 or dim not in (-1, ndim - 1):
             return None
-        i = node.args[1]
         start = sum(int(t.shape[-1]) for t in items[:i])
         return src, start, start + int(items[i].shape[-1])
     full = val(src)
-    if not isinstance(full, torch.Tensor):
+    if not isinstance(full, torch.Tensor) or full.dim() == 0:
         return None
     width, ndim = int(full.shape[-1]), full.dim()
     if is_getitem(node) and isinstance(node.args[1], tuple):

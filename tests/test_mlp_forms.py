@@ -167,3 +167,26 @@ def test_forms_match_one_process(world):
             }.get(form, {})
             for name, placement in want.items():
                 assert r["placements"][f"layers.0.mlp.{name}"] == placement, r["placements"]
+
+
+def test_a_transformers_mixtral_block_is_skipped_as_mixture_of_experts():
+    """Experts stacked in 3-D parameters, applied by grouped matmuls over routed tokens, and a
+    top-k router: reported as one skipped block, never matched, never a crash."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tspc.passes.analyse import analyse
+    from tspc.passes.match_mlp import match_mlp
+
+    cfg = AutoConfig.for_model(
+        "mixtral", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    gm, inputs = capture(model, input_ids=torch.randint(1, 128, (2, 16)))
+    matches, skips = match_mlp(gm, analyse(gm, inputs), 2)
+    assert not matches
+    assert [s.module for s in skips] == ["model.layers.0.mlp"], skips
+    assert "mixture of experts" in skips[0].reason and "experts.gate_up_proj" in skips[0].reason
+    assert "router model.layers.0.mlp.gate.weight" in skips[0].reason, skips[0].reason
