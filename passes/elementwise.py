@@ -119,6 +119,10 @@ def nature(node: fx.Node) -> Nature:
         if torch.Tag.nondeterministic_seeded in op.tags:
             return Nature("other", f"{name} draws random numbers ({op})", random=True)
     for op in ops:
+        if op._schema.is_mutable:
+            # the ring saves each shard's projections for backward: an in-place chain would
+            # overwrite them (it runs with replicated weights instead)
+            return Nature("other", f"{name} works in place ({op})")
         if op.namespace == "prim":  # metadata queries (prim.device): no element is touched
             continue
         if torch.Tag.pointwise not in op.tags and op not in _ELEMENTWISE_UNTAGGED:

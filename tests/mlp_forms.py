@@ -121,6 +121,11 @@ class LeakyMLP(PlainMLP):
         return self.down(h) + h.mean(-1, keepdim=True)
 
 
+class InPlaceMLP(PlainMLP):
+    def forward(self, x):
+        return self.down(F.relu(self.up(x), inplace=True))
+
+
 class StackedMoE(nn.Module):
     """A router and experts stacked in 3-D parameters, evaluated densely and weighted."""
 
@@ -172,6 +177,7 @@ SKIPPED = {
     "train_dropout": (TrainDropoutMLP, "draws random numbers"),
     "scaled_by_param": (ScaledByParamMLP, "a tensor from outside the MLP"),
     "leaky": (LeakyMLP, "is also used outside the MLP"),
+    "in_place": (InPlaceMLP, "works in place"),
     "stacked_moe": (StackedMoE, "mixture of experts: layers.0.mlp.w_in [4, 128, 64] stacks"),
     "loop_moe": (LoopMoE, "mixture of experts: the router layers.0.mlp.gate.weight"),
 }
