@@ -1,9 +1,13 @@
-"""Pass 4b — rewrite matched gated MLPs into the ring schedule (``runtime/ring_mlp.py``).
+"""Pass 4b — rewrite matched MLPs into the ring schedule (``runtime/ring_mlp.py``).
 
-The whole ``down(act(gate(x)) * up(x))`` becomes one ``ring_mlp`` call on this rank's shard of
-the intermediate dimension (rows of gate/up, columns of down). Its forward and backward are
-fixed algorithms with explicit hop nodes, which aot_autograd traces into the forward and
-backward graphs. The down projection's bias, if any, is added once after the ring.
+The whole ``down(act(up_1(x), ..., up_k(x)))`` becomes one ``ring_mlp`` call on this rank's shard
+of the intermediate dimension F: an even chunk of F of every up weight (rows of a Linear
+``[F, h]``, columns of a Conv1D ``[h, F]``) and bias, and of the down weight (its columns, or
+rows for Conv1D). The activation chain between them is copied out of the graph into a small
+function the ring applies to each shard (``chain_module``), registered under a key the graph
+names. The ring's forward and backward are fixed algorithms with explicit hop nodes, which
+aot_autograd traces into the forward and backward graphs. The down projection's bias, if any,
+is added once after the ring.
 """
 
 from __future__ import annotations
@@ -14,21 +18,21 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.group import TSPGroup
-from tspc.runtime.ring_mlp import ring_mlp
+from tspc.runtime.ring_mlp import register_chain, ring_mlp
 from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile, register_value_rule
 from .graph_utils import erase_unused, shape, tensor_val
-from .match_mlp import MlpMatch
+from .match_mlp import MlpMatch, chain_key, chain_module
 from .shard_inputs import ShardInputs
 
 
-def _ring_mlp_value(x, w_gate, w_up, w_down, *rest):
+def _ring_mlp_value(x, w_in, b_in, w_down, chain, orient, *rest):
     """The ring's output metadata: ``x``'s leading dimensions and the down projection's
-    output features, contiguous, in ``x``'s dtype (the ring adds F.linear results)."""
-    out = x.new_empty((*x.shape[:-1], w_down.shape[0]))
+    output features, contiguous, in ``x``'s dtype (the ring adds matmul results)."""
+    out = x.new_empty((*x.shape[:-1], w_down.shape[1 if orient[-1] == "t" else 0]))
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, w_gate, w_up, w_down, *rest)
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *w_in, *b_in, w_down)
     )
     return out.requires_grad_(needs_grad)
 
@@ -42,28 +46,32 @@ class MlpRewrite:
     steps: int
     hops: int
     activation: str
+    form: str  # "plain" (one up projection) or "gated"
     shard_numel: int
     predicted_recv_bytes: int
 
 
 def _ring_specs(m: MlpMatch, rank: int, f_local: int) -> dict[str, tuple[fx.Node, ShardSpec]]:
-    """The slices of the MLP's weights that ``rank`` owns: its F-range of gate/up rows (and
-    biases) and of down's columns."""
+    """The slices of the MLP's weights that ``rank`` owns: its F-range of every up weight (the
+    weight's output-feature dim: rows of a Linear, columns of a Conv1D) and bias, and of the
+    down weight's input-feature dim (columns of a Linear, rows of a Conv1D). Each rank owns an
+    even chunk of F, so each weight's slices are a DTensor ``Shard`` (``_StridedShard`` for the
+    parts of a fused one)."""
 
-    def rows(p) -> ShardSpec:
-        return ShardSpec(0, p.row_start + rank * f_local, p.row_start + (rank + 1) * f_local)
+    def f_range(u, dim: int) -> ShardSpec:
+        return ShardSpec(dim, u.start + rank * f_local, u.start + (rank + 1) * f_local)
 
-    specs = {
-        "gate_w": (m.gate.weight, rows(m.gate)),
-        "up_w": (m.up.weight, rows(m.up)),
-        "down_w": (m.down_weight, ShardSpec(1, rank * f_local, (rank + 1) * f_local)),
-    }
-    if (m.gate.bias is None) != (m.up.bias is None):
-        raise ValueError(f"{m.module}: gate and up must both have biases or neither")
-    if m.gate.bias is not None:
-        specs["gate_b"] = (m.gate.bias, rows(m.gate))
-        specs["up_b"] = (m.up.bias, rows(m.up))
-    return specs
+    specs = {}
+    for i, u in enumerate(m.ups):
+        specs[f"w{i}"] = (u.proj.weight, f_range(u, u.proj.f_dim))
+        if u.proj.bias is not None:
+            specs[f"b{i}"] = (u.proj.bias, f_range(u, 0))
+    down_dim = 0 if m.down.transposed else 1
+    specs["down_w"] = (m.down.weight, ShardSpec(down_dim, rank * f_local, (rank + 1) * f_local))
+    # The runtime fills the shard inputs parameter by parameter (tspc/backend.py): the slices
+    # of one parameter (a fused gate_up weight, its bias) must be adjacent inputs.
+    order = list(dict.fromkeys(pnode for pnode, _ in specs.values()))
+    return dict(sorted(specs.items(), key=lambda kv: order.index(kv[1][0])))
 
 
 def rewrite_mlp(
@@ -78,7 +86,7 @@ def rewrite_mlp(
     f_local = m.intermediate // D
     per_rank = [_ring_specs(m, r, f_local) for r in range(D)]
     specs = per_rank[rank]
-    nodes: dict[str, fx.Node | None] = {"gate_b": None, "up_b": None}
+    nodes: dict[str, fx.Node | None] = {}
     numel = 0
     if D > 1:
         # every rank's slices of each parameter (a fused gate_up weight holds two per rank)
@@ -88,7 +96,7 @@ def rewrite_mlp(
                 layouts.setdefault(pnode, [[] for _ in range(D)])[r].append(spec)
         for pnode, layout in layouts.items():
             shards.declare(pnode, layout)
-    with g.inserting_before(m.down):
+    with g.inserting_before(m.down.node):
         for name, (pnode, spec) in specs.items():
             if D > 1:
                 nodes[name] = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{name}")
@@ -101,16 +109,20 @@ def rewrite_mlp(
                 nodes[name] = g.call_function(
                     torch.narrow, (pnode, spec.dim, spec.start, spec.stop - spec.start)
                 )
+        chain = chain_module(m)
+        key = register_chain(chain_key(m, chain), chain)
+        k = len(m.ups)
+        orient = "".join("t" if lin.transposed else "n" for lin in [u.proj for u in m.ups])
+        x = m.ups[0].proj.current_x()
         y = g.call_function(
             ring_mlp,
             (
-                m.x,
-                nodes["gate_w"],
-                nodes["up_w"],
+                x,
+                [nodes[f"w{i}"] for i in range(k)],
+                [nodes.get(f"b{i}") for i in range(k)],
                 nodes["down_w"],
-                nodes["gate_b"],
-                nodes["up_b"],
-                m.act,
+                key,
+                orient + ("t" if m.down.transposed else "n"),
                 rank,
                 D,
                 group.name,
@@ -118,22 +130,26 @@ def rewrite_mlp(
             ),
         )
         y.meta["tspc_role"] = "mlp_ring"
-        for key in ("recompute", "ac_graph_id", "nn_module_stack"):  # activation checkpointing
-            if key in m.down.meta:
-                y.meta[key] = m.down.meta[key]
-        down_bias = m.down.args[2] if len(m.down.args) > 2 else m.down.kwargs.get("bias")
-        out = g.call_function(torch.add, (y, down_bias)) if down_bias is not None else y
-    m.down.replace_all_uses_with(out)
-    upstream = m.down.all_input_nodes
-    g.erase_node(m.down)
-    erase_unused(g, upstream)  # the gate/up projections and the activation, now unused
+        for meta in ("recompute", "ac_graph_id", "nn_module_stack"):  # activation checkpointing
+            if meta in m.down.node.meta:
+                y.meta[meta] = m.down.node.meta[meta]
+        # the bias as the graph reads it now: through its gradient sync (it stays replicated)
+        bias = m.down.current_bias()
+        out = g.call_function(torch.add, (y, bias)) if bias is not None else y
+        if len(shape(m.down.node)) != len(shape(x)):  # Linear and Conv1D mixed: 3-D vs 2-D
+            out = g.call_function(torch.reshape, (out, shape(m.down.node)))
+    m.down.node.replace_all_uses_with(out)
+    upstream = m.down.node.all_input_nodes
+    g.erase_node(m.down.node)
+    erase_unused(g, upstream)  # the up projections and the activation chain, now unused
     defer_recompile(gm)  # once for all layers, by the next shape propagation
     elem = tensor_val(m.down_weight).element_size()
     return MlpRewrite(
         m.module,
         steps=D,
         hops=D - 1,
-        activation=m.act,
+        activation=m.activation,
+        form="gated" if m.gated else "plain",
         shard_numel=numel,
         predicted_recv_bytes=(D - 1) * numel * elem,
     )

@@ -637,6 +637,18 @@ class _Propagator:
         self.layout[node] = sh
         return None
 
+    def rule_addmm(self, node: fx.Node):
+        """``addmm(b, x, W)`` (GPT-2's Conv1D on flattened tokens): token-wise, like linear,
+        when only the rows of ``x`` are split."""
+        bias, x, w = (node.args + (None, None, None))[:3]
+        sh = self.L(x) if isinstance(x, fx.Node) else None
+        if not isinstance(sh, Sharded) or sh.dim != 0 or node.kwargs:
+            return False
+        if any(isinstance(t, fx.Node) and isinstance(self.L(t), Sharded) for t in (bias, w)):
+            return False
+        self.layout[node] = sh
+        return None
+
     def rule_embedding(self, node: fx.Node):
         ids = node.args[0]
         sh = self.L(ids)

@@ -1,13 +1,25 @@
-"""The gated MLP as a ring of weight shards: D steps, D-1 point-to-point hops, no all-reduce.
+"""The MLP as a ring of weight shards: D steps, D-1 point-to-point hops, no all-reduce.
 
-Rank p starts with shard p of the intermediate dimension: rows of W_gate and W_up (and their
-biases) and columns of W_down, packed into one flat buffer so a hop is a single transfer. At
-step t it holds shard (p - t) mod D and accumulates
+An MLP here is ``down(act(up_1(x), ..., up_k(x)))``: k projections of the same ``x`` into the
+intermediate dimension F (k = 1 plain, k = 2 gated), an *elementwise* function ``act`` of them
+(the activation chain, e.g. ``gelu(u)`` or ``silu(g) * u``), and a projection back. Because
+``act`` is elementwise over F, the MLP is a sum over any partition of F:
 
-    y += (act(x W_gate^s + b_gate^s) * (x W_up^s + b_up^s)) W_down^s
+    y = sum_s act(x W_1^s + b_1^s, ..., x W_k^s + b_k^s) W_down^s
 
-while the hop for step t+1 (send the shard to p+1, receive the next from p-1) is already in
-flight. The tokens never move and every rank ends with its own tokens' full output.
+Rank p starts with shard p of F: its slices of every up weight (and bias) and of W_down, packed
+into one flat buffer so a hop is a single transfer. At step t it holds shard (p - t) mod D and
+accumulates that shard's term while the hop for step t+1 (send the shard to p+1, receive the next
+from p-1) is already in flight. The tokens never move and every rank ends with its own tokens'
+full output.
+
+Weights are Linear-shaped (``[out, in]``, ``F.linear``) or Conv1D-shaped (``[in, out]``, GPT-2's
+``addmm(b, x, W)``); ``orient`` says which, one letter per up weight then down (``n`` / ``t``).
+
+The activation chain is a callable registered under a key (``register_chain``): the rewrite
+extracts it from the model's graph and the ring calls it on each shard's projections. Its
+derivative is autograd's, taken locally per shard in backward (``torch.autograd.grad`` on the
+saved projections), so any elementwise chain the matcher accepts is differentiated exactly.
 
 Backward runs the ring the other way (send to p-1, receive from p+1), re-streaming the weights
 instead of keeping the D-1 received shards alive from the forward: at backward step k rank p
@@ -24,39 +36,71 @@ both directions into graphs where every hop is a visible node and the compute ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from .comm import ring_hop
 from .packing import pack, unpack
 
-# Activations the ring supports, with their derivative (grad, pre-activation) -> grad.
-_ACT = {
-    "silu": (F.silu, lambda g, a: torch.ops.aten.silu_backward(g, a)),
-    "gelu": (F.gelu, lambda g, a: torch.ops.aten.gelu_backward(g, a)),
-    "gelu_tanh": (
-        lambda a: F.gelu(a, approximate="tanh"),
-        lambda g, a: torch.ops.aten.gelu_backward(g, a, approximate="tanh"),
-    ),
-    "relu": (F.relu, lambda g, a: torch.ops.aten.threshold_backward(g, a, 0)),
-    "sigmoid": (torch.sigmoid, lambda g, a: g * torch.sigmoid(a) * (1 - torch.sigmoid(a))),
-    "tanh": (torch.tanh, lambda g, a: g * (1 - torch.tanh(a) ** 2)),
-}
-SUPPORTED_ACTIVATIONS = tuple(_ACT)
+_CHAINS: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def _step_forward(x, w_gate, w_up, w_down, b_gate, b_up, act):
-    a = F.linear(x, w_gate, b_gate)
-    u = F.linear(x, w_up, b_up)
-    return a, u, F.linear(_ACT[act][0](a) * u, w_down)
+def register_chain(key: str, fn: Callable[..., torch.Tensor]) -> str:
+    """Make the elementwise function ``fn`` (of the k projections) callable by the ring as
+    ``key``. The graph names the chain by key (a string) rather than holding the callable, so
+    it stays printable and hashable; keys are derived from the chain's code, so a key names one
+    function wherever it is registered."""
+    _CHAINS.setdefault(key, fn)
+    return key
+
+
+def _builtin(name: str, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    register_chain(f"plain:{name}", act)
+    register_chain(f"gated:{name}", lambda g, u: act(g) * u)
+
+
+# The common activations by name, for direct calls (tests, hand-written schedules).
+for _name, _fn in {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda a: F.gelu(a, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda a: F.relu(a).square(),
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}.items():
+    _builtin(_name, _fn)
+
+
+def chain_of(key: str) -> Callable[..., torch.Tensor]:
+    try:
+        return _CHAINS[key]
+    except KeyError:
+        raise ValueError(f"activation chain {key!r} is not registered with the MLP ring") from None
+
+
+def _project(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, t: bool) -> torch.Tensor:
+    """``x2`` ([N, in]) through one up weight: ``[in, out]`` (t) or ``[out, in]``."""
+    if t:
+        return torch.addmm(b, x2, w) if b is not None else x2 @ w
+    return F.linear(x2, w, b)
+
+
+def _down(h: torch.Tensor, w: torch.Tensor, t: bool) -> torch.Tensor:
+    return h @ w if t else F.linear(h, w)
 
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, act, rank, world, group, tag):
-        has_bias = b_gate is not None
-        shards = [w_gate, w_up, w_down] + ([b_gate, b_up] if has_bias else [])
+    def forward(ctx, x, w_down, spec, rank, world, group, tag, *ins):
+        chain_key, orient, has_bias = spec
+        k = len(has_bias)
+        chain = chain_of(chain_key)
+        shards = [*ins[:k], w_down, *ins[k:]]  # up weights, down weight, up biases
         shapes = [t.shape for t in shards]
+        x2 = x.reshape(-1, x.shape[-1])
         own = pack(shards) if world > 1 else None
         cur = own
         y = None
@@ -66,27 +110,25 @@ class RingMLP(torch.autograd.Function):
             if t < world - 1:
                 # Issue the next hop before this step's compute: it travels while we compute.
                 nxt = torch.ops.tspc.ring_start(cur, 1, group, world, tag)
-            if world > 1:
-                ws = unpack(cur, shapes)
-                wg, wu, wd = ws[:3]
-                bg, bu = (ws[3], ws[4]) if has_bias else (None, None)
-            else:
-                wg, wu, wd, bg, bu = w_gate, w_up, w_down, b_gate, b_up
-            a, u, part = _step_forward(x, wg, wu, wd, bg, bu, act)
-            saved += [a, u]
+            ws = unpack(cur, shapes) if world > 1 else shards
+            ps = _projections(x2, ws, has_bias, orient)
+            saved += ps
+            part = _down(chain(*ps), ws[k], orient[k] == "t")
             y = part if y is None else y + part
             if nxt is not None:
                 cur = torch.ops.tspc.ring_wait(nxt, cur, 1, group, world, tag)
         ctx.save_for_backward(x, *shards, *saved)
-        ctx.meta = (len(shards), shapes, has_bias, act, rank, world, group, tag)
-        return y
+        ctx.meta = (len(shards), shapes, spec, rank, world, group, tag)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        n_shards, shapes, has_bias, act, rank, world, group, tag = ctx.meta
+        n_shards, shapes, spec, rank, world, group, tag = ctx.meta
+        chain_key, orient, has_bias = spec
+        k = len(has_bias)
+        chain = chain_of(chain_key)
         x, *rest = ctx.saved_tensors
         shards, saved = rest[:n_shards], rest[n_shards:]
-        act_fn, act_grad = _ACT[act]
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
         own = pack(shards) if world > 1 else None
@@ -100,21 +142,24 @@ class RingMLP(torch.autograd.Function):
         acc_out = None
         dx = None
         grad_own = None
-        for k in range(world):
-            t = world - 1 - k
-            last = k == world - 1
+        for step in range(world):
+            t = world - 1 - step
+            last = step == world - 1
             w_next = None
-            if world > 1 and k < world - 2:
+            if world > 1 and step < world - 2:
                 w_next = torch.ops.tspc.ring_start(w_cur, -1, group, world, tag)
             # The last step's shard is our own: read the saved shards themselves, so the packed
             # copy ``own`` dies once its first hop has gone (not at the end of the ring).
             ws = unpack(w_cur, shapes) if world > 1 and not last else list(shards)
-            wg, wu, wd = ws[:3]
-            a, u = saved[2 * t], saved[2 * t + 1]
-            a2 = a.reshape(-1, a.shape[-1])
-            u2 = u.reshape(-1, u.shape[-1])
-            act_a = act_fn(a2)
-            h = act_a * u2
+            # The chain's derivative: autograd's, on this shard's saved projections.
+            with torch.enable_grad():
+                ps = [p.detach().requires_grad_() for p in saved[k * t : k * (t + 1)]]
+                h = chain(*ps)
+            down_t = orient[k] == "t"
+            dh = g2 @ ws[k].t() if down_t else g2 @ ws[k]  # [N, F/D]
+            dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
+            dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
+            h = h.detach()
             # This step's weight gradients, each added to the accumulator arriving from p+1 as
             # soon as it is computed: the received buffer and each piece die at once, so at
             # most one packed gradient exists besides the one in flight (computing all pieces
@@ -131,17 +176,17 @@ class RingMLP(torch.autograd.Function):
                     return g
                 return g.float() if received is None else g.float() + received[i]
 
-            dh = g2 @ wd  # [N, F/D]
-            d_wd = accumulate(2, g2.t() @ h)  # [h, F/D]
-            da = act_grad(dh * u2, a2)
-            du = dh * act_a
-            d_wg = accumulate(0, da.t() @ x2)
-            d_wu = accumulate(1, du.t() @ x2)
-            step_dx = da @ wg + du @ wu
-            dx = step_dx if dx is None else dx + step_dx
-            grads = [d_wg, d_wu, d_wd]
-            if has_bias:
-                grads += [accumulate(3, da.sum(0)), accumulate(4, du.sum(0))]
+            grads: list[torch.Tensor | None] = [None] * n_shards
+            grads[k] = accumulate(k, h.t() @ g2 if down_t else g2.t() @ h)
+            bias_slot = k + 1
+            for i, dp in enumerate(dps):
+                up_t = orient[i] == "t"
+                grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
+                step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
+                dx = step_dx if dx is None else dx + step_dx
+                if has_bias[i]:
+                    grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
+                    bias_slot += 1
             if world == 1:
                 grad_own = grads
                 break
@@ -155,27 +200,44 @@ class RingMLP(torch.autograd.Function):
                 w_cur = torch.ops.tspc.ring_wait(w_next, w_cur, -1, group, world, tag)
         dx = dx.reshape(x.shape)
         g = list(grad_own)
-        b_grads = (g[3], g[4]) if has_bias else (None, None)
-        return dx, g[0], g[1], g[2], *b_grads, None, None, None, None, None
+        return dx, g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
+
+
+def _projections(x2, ws, has_bias, orient) -> list[torch.Tensor]:
+    """The k up projections of ``x2`` with one shard's weights ``ws`` (ups, down, biases)."""
+    k = len(has_bias)
+    biases = iter(ws[k + 1 :])
+    return [
+        _project(x2, ws[i], next(biases) if has_bias[i] else None, orient[i] == "t")
+        for i in range(k)
+    ]
 
 
 def ring_mlp(
     x: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
+    w_in: list[torch.Tensor],
+    b_in: list[torch.Tensor | None],
     w_down: torch.Tensor,
-    b_gate: torch.Tensor | None,
-    b_up: torch.Tensor | None,
-    act: str,
+    chain: str,
+    orient: str,
     rank: int,
     world: int,
     group: str,
     tag: str,
 ) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` over the ring; the shards are this rank's own."""
-    if act not in _ACT:
-        raise ValueError(f"activation {act!r} is not supported by the MLP ring")
-    return RingMLP.apply(x, w_gate, w_up, w_down, b_gate, b_up, act, rank, world, group, tag)
+    """``down(chain(up_1(x), ..., up_k(x)))`` over the ring; the shards are this rank's own.
+
+    ``w_in``/``b_in``: this rank's slices of the up weights and biases (a bias may be None);
+    ``chain``: a key of ``register_chain`` (``"gated:silu"``, ``"plain:gelu"``, or one the
+    rewrite registered); ``orient``: ``n`` (Linear, ``[out, in]``) or ``t`` (Conv1D,
+    ``[in, out]``) per up weight, then for the down weight."""
+    chain_of(chain)  # a clear error now, not inside the ring
+    if len(b_in) != len(w_in) or len(orient) != len(w_in) + 1 or set(orient) - {"n", "t"}:
+        raise ValueError(f"ring_mlp: {len(w_in)} up weights, {len(b_in)} biases, orient {orient!r}")
+    has_bias = tuple(b is not None for b in b_in)
+    spec = (chain, orient, has_bias)
+    ins = [*w_in, *(b for b in b_in if b is not None)]
+    return RingMLP.apply(x, w_down, spec, rank, world, group, tag, *ins)
 
 
-__all__ = ["ring_mlp", "RingMLP", "SUPPORTED_ACTIVATIONS", "ring_hop"]
+__all__ = ["ring_mlp", "RingMLP", "register_chain", "chain_of", "ring_hop"]

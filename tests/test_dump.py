@@ -287,7 +287,8 @@ from torch import nn
 
 
 class Block(nn.Module):
-    """Attention (SDPA) and a plain, non-gated GELU MLP, all in one module."""
+    """Attention (SDPA) and an MLP the ring cannot run (a cumsum over its intermediate dim),
+    all in one module."""
 
     def __init__(self, h=32, heads=4):
         super().__init__()
@@ -304,7 +305,7 @@ class Block(nn.Module):
         )
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(x)))
+        return x + self.fc2(torch.cumsum(F.gelu(self.fc1(x)), -1))
 
 
 def build_model_and_inputs(seq, batch):
@@ -323,7 +324,7 @@ def test_dump_reports_skipped_modules_with_reasons(tmp_path):
     rep = load_report(tmp_path / "d" / "rank0" / "graph0")
     assert rep["matched"] == [{"kind": "attention", "module": "0"}]
     (skip,) = rep["skipped"]
-    assert skip["kind"] == "mlp" and skip["module"] == "0" and skip["reason"]
+    assert skip["kind"] == "mlp" and skip["module"] == "0" and "cumsum" in skip["reason"]
     assert f"mlp       skipped  0: {skip['reason']}" in stdout
     assert not rep["backward_compiled"] and rep["comm_bytes"]["backward"] is None
     assert rep["collectives_by_layer"]["forward"]["0"] == {"broadcast": 2, "all_gather": 4}

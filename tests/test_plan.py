@@ -87,6 +87,22 @@ def test_tsp_comm_formula_for_gqa() -> None:
     assert crossover(gqa, inputs).tokens == pytest.approx((p_attn + p_mlp) / (4 * h - 2 * h_kv))
 
 
+def test_a_plain_mlp_counts_two_matrices() -> None:
+    """GPT-NeoX / GPT-2 MLPs are down(act(up(x))): P_mlp = 2*h*I, and the ring moves that."""
+    cfg = {
+        "model_type": "gpt_neox", "hidden_size": 64, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "intermediate_size": 256, "vocab_size": 128,
+    }  # fmt: skip
+    neox = ModelShape.from_hf_config(cfg)
+    assert not neox.gated_mlp and neox.mlp_params == 2 * 64 * 256
+    llama = ModelShape.from_hf_config({**cfg, "model_type": "llama"})
+    assert llama.gated_mlp and llama.mlp_params == 3 * 64 * 256
+    gpt2 = ModelShape.from_hf_config(
+        {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 128}
+    )
+    assert not gpt2.gated_mlp and gpt2.mlp_params == 2 * 64 * 4 * 64
+
+
 # What transformers 5.24 `LlamaConfig(...).to_json_file` writes (pure JSON keeps this test fast).
 LLAMA_CONFIG_JSON = """{
   "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,

@@ -108,15 +108,19 @@ def test_symbolic_values_are_not_adopted():
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_ring_mlp_value_rule_matches_running_the_ring(world, bias):
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_ring_mlp_value_rule_matches_running_the_ring(world, bias, conv1d):
     h, f_local = 16, 24
     mode = FakeTensorMode()
     with mode:
         x = torch.randn(2, 5, h, requires_grad=True)
         gate, up = torch.randn(f_local, h), torch.randn(f_local, h)
         down = torch.randn(h, f_local)
+        if conv1d:  # weights stored [in, out]
+            gate, up, down = gate.t().contiguous(), up.t().contiguous(), down.t().contiguous()
         bg, bu = (torch.randn(f_local), torch.randn(f_local)) if bias else (None, None)
-        args = (x, gate, up, down, bg, bu, "silu", 0, world, "unused", "mlp")
+        orient = "ttt" if conv1d else "nnn"
+        args = (x, [gate, up], [bg, bu], down, "gated:silu", orient, 0, world, "unused", "mlp")
         real = ring_mlp(*args)  # on fake tensors the collectives run their fake kernels
         rule = _ring_mlp_value(*args)
     for attr in ("shape", "dtype", "device", "requires_grad"):

@@ -1,6 +1,6 @@
 """The pass pipeline, in order, with a snapshot of the graph after each pass.
 
-    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_gated_mlp -> shard_sequence -> rewrite_attention
+    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_mlp -> shard_sequence -> rewrite_attention
             -> rewrite_mlp -> schedule_overlap -> (inner compiler: tspc/inner.py)
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
@@ -33,7 +33,7 @@ from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
-from tspc.passes.match_mlp import match_gated_mlp
+from tspc.passes.match_mlp import match_mlp
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
@@ -138,7 +138,7 @@ def run_pipeline(
     claimed = set()
     for m in att_matches:
         claimed |= {p.linear for p in m.projections()} | {m.o_linear}
-    mlp_matches, mlp_skips = match_gated_mlp(gm, info, D, claimed)
+    mlp_matches, mlp_skips = match_mlp(gm, info, D, claimed)
     for s in att_skips + mlp_skips:
         report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
     snap("match")

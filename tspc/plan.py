@@ -48,9 +48,29 @@ def _first_key(config: Mapping[str, Any], *keys: str) -> Any:
     return None
 
 
+# transformers model types whose MLP is plain, down(act(up(x))): a config does not say it
+PLAIN_MLP_MODEL_TYPES = frozenset(
+    {
+        "gpt2",
+        "gpt_neox",
+        "gpt_neo",
+        "gptj",
+        "gpt_bigcode",
+        "opt",
+        "bloom",
+        "falcon",
+        "phi",
+        "codegen",
+        "starcoder2",
+        "mpt",
+    }
+)
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a dense decoder-only transformer with gated (3-matrix) MLPs."""
+    """The shape of a dense decoder-only transformer: gated (3-matrix) MLPs, or plain
+    (2-matrix: up, down) ones with ``gated_mlp=False`` (GPT-2, GPT-NeoX)."""
 
     hidden: int
     layers: int
@@ -61,6 +81,7 @@ class ModelShape:
     tied_embeddings: bool = False
     head_dim: int | None = None  # None: hidden // heads
     name: str = "model"
+    gated_mlp: bool = True
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
@@ -132,6 +153,7 @@ class ModelShape:
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             head_dim=int(head_dim) if head_dim is not None else None,
             name=name or default_name,
+            gated_mlp=config.get("model_type") not in PLAIN_MLP_MODEL_TYPES,
         )
 
     @property
@@ -154,9 +176,13 @@ class ModelShape:
         return 2 * self.hidden * self.q_width + 2 * self.hidden * self.kv_width
 
     @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
     def mlp_params(self) -> int:
-        """P_mlp = 3*h*I (W_gate, W_up, W_down)."""
-        return 3 * self.hidden * self.intermediate
+        """P_mlp = 3*h*I (W_gate, W_up, W_down), or 2*h*I for a plain MLP (W_up, W_down)."""
+        return self.mlp_matrices * self.hidden * self.intermediate
 
     @property
     def layer_params(self) -> int:
@@ -203,7 +229,7 @@ class PlanInputs:
     ``a_rep_per_h`` / ``a_sh_per_h`` are activation elements per token per layer in units of h.
     ``a_sh_per_h=None`` derives it from the model: Q, attention output, K, V and the four
     gated-MLP intermediates (gate, up, act(gate), act*up), i.e. 2q + 2h_kv + 4I = 20h for the
-    7B. ``a_rep`` (two norm inputs, two norm outputs, the residual) stays whole on every TP rank.
+    7B (a plain MLP has two: up, act(up)). ``a_rep`` (two norm inputs, two norm outputs, the residual) stays whole on every TP rank.
     """
 
     devices: int
@@ -265,7 +291,9 @@ class PlanInputs:
         """Head/column-split activation elements per token per layer."""
         if self.a_sh_per_h is not None:
             return self.a_sh_per_h * model.hidden
-        return 2 * model.q_width + 2 * model.kv_width + 4 * model.intermediate
+        # gated: gate, up, act(gate), act*up; plain: up, act(up)
+        mlp = 4 if model.gated_mlp else 2
+        return 2 * model.q_width + 2 * model.kv_width + mlp * model.intermediate
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,7 +600,8 @@ def assumptions(plan: Plan) -> list[str]:
         "model state: DP and SP replicate it; TP and TP+SP shard all weights by T "
         f"(embeddings vocab-parallel); TSP shards layer weights by D, embeddings {tsp_embed}; "
         "norm weights replicated everywhere",
-        "dense decoder, gated MLP (3 matrices), flash-style attention (no S x S scores or mask)",
+        f"dense decoder, {'gated' if model.gated_mlp else 'plain'} MLP "
+        f"({model.mlp_matrices} matrices), flash-style attention (no S x S scores or mask)",
         recompute,
         f"activations in {inputs.dtype} ({beta} B/element); per token per layer "
         f"a_rep = {inputs.a_rep_per_h:g}h = {inputs.a_rep(model):g} elements (norm inputs and "
