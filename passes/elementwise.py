@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .graph_utils import op_name, tensor_val, val
+from .graph_utils import fake_inputs, op_name, tensor_val
 
 # Elementwise ops that are not tagged pointwise: casts and aliases move each element as is.
 _ELEMENTWISE_UNTAGGED = frozenset(
@@ -58,17 +57,7 @@ def dispatched_ops(node: fx.Node) -> list[torch._ops.OpOverload] | None:
     run: no fake inputs, or the op fails on them)."""
     if node.op not in ("call_function", "call_method"):
         return None
-    fake_mode = None
-
-    def to_val(a):
-        nonlocal fake_mode
-        v = val(a)
-        if isinstance(v, torch.Tensor) and fake_mode is None:
-            fake_mode = getattr(v, "fake_mode", None)
-        return v
-
-    args = map_arg(node.args, to_val)
-    kwargs = map_arg(node.kwargs, to_val)
+    args, kwargs, fake_mode = fake_inputs(node)
     if fake_mode is None:
         return None
     # in-place ops would mutate the graph's recorded values: run them on copies

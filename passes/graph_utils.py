@@ -199,8 +199,9 @@ def set_arg(node: fx.Node, index: int, name: str, value: Any) -> None:
         node.kwargs = kwargs
 
 
-def fake_value(node: fx.Node) -> Any:
-    """Compute a new node's value from its inputs' fake values (for nodes a pass inserts)."""
+def fake_inputs(node: fx.Node) -> tuple[Any, Any, Any]:
+    """``node``'s args and kwargs with every input node replaced by its fake value, and the
+    fake mode they belong to (None when no input has a fake tensor value)."""
     fake_mode = None
 
     def to_val(a):
@@ -212,6 +213,12 @@ def fake_value(node: fx.Node) -> Any:
 
     args = map_arg(node.args, to_val)
     kwargs = map_arg(node.kwargs, to_val)
+    return args, kwargs, fake_mode
+
+
+def fake_value(node: fx.Node) -> Any:
+    """Compute a new node's value from its inputs' fake values (for nodes a pass inserts)."""
+    args, kwargs, fake_mode = fake_inputs(node)
     if fake_mode is None:
         raise ValueError(f"no fake input to evaluate {node}")
     with fake_mode:

@@ -32,12 +32,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
 from .compat import no_fake_mode, strided_shard
 from .group import process_group
@@ -220,22 +220,6 @@ def _storage_less(like: torch.Tensor) -> nn.Parameter:
 # --------------------------------------------------------------------------- per call
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity; the backward sums the gradient over the group (a weight kept replicated whose
-    slices each rank's graph differentiates only for the slices it owns)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce autograd's own
-        dist.all_reduce(grad, group=process_group(ctx.group))
-        return grad, None
-
-
 def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tensor]:
     """This call's views of the DTensor's local tensor, one per slice the graph reads.
 
@@ -245,7 +229,8 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
     weights of shared KV heads never come here, they stay plain replicated inputs)."""
     local = entry.dparam.to_local()
     if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
-        local = _SumGradOverGroup.apply(local, entry.group)
+        # the same gradient sum the graphs put after replicated inputs
+        local = sync_replicated_grad(local, entry.group, entry.world, "replicated_slices")
     return [local.narrow(s.dim, entry.offsets[s], s.length) for s in specs]
 
 
