@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import arg, node_module_fqn, op_name, shape
+from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape
 
 _CASTS = ("to", "float", "type_as", "half", "bfloat16", "contiguous")
 
@@ -127,6 +127,6 @@ def canonicalize_eager_attention(gm: fx.GraphModule) -> list[EagerAttention]:
         node.replace_all_uses_with(sdpa)
         g.erase_node(node)
         found.append(EagerAttention(where, True))
-    g.eliminate_dead_code()
+    eliminate_dead_code(g)
     gm.recompile()
     return found

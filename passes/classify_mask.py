@@ -30,7 +30,15 @@ import torch.fx as fx
 
 from tspc.ops.zigzag_attention import causal_attention
 
-from .graph_utils import arg, is_getitem, op_name, set_fake_value, shape, tensor_val
+from .graph_utils import (
+    arg,
+    eliminate_dead_code,
+    is_getitem,
+    op_name,
+    set_fake_value,
+    shape,
+    tensor_val,
+)
 from .match_attention import sdpa_args
 
 # --------------------------------------------------------------------------- expressions
@@ -558,6 +566,6 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
         if meaning.dropped:
             detail += " (" + "; ".join(meaning.dropped) + ")"
         reports.append(MaskReport(node.name, where, True, detail))
-    g.eliminate_dead_code()
+    eliminate_dead_code(g)
     gm.recompile()
     return reports

@@ -94,6 +94,55 @@ def tensor_inputs(node: fx.Node, include_tuples: bool = False) -> list[fx.Node]:
     return seen
 
 
+_INPLACE_OPERATORS = frozenset(
+    {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
+)
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+
+
+def mutated_args(n: fx.Node) -> list[fx.Node]:
+    """The graph values ``n`` writes in place: ``x[i] = v``, ``x.add_(y)``, ``x += y``,
+    ``torch.relu_(x)`` and ATen ops whose schema marks an argument as written."""
+    first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if n.op == "call_method":
+        name = n.target
+        in_place = (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+        return [first] if in_place and first is not None else []
+    if n.op != "call_function":
+        return []
+    t = n.target
+    if t in _INPLACE_OPERATORS:
+        return [first] if first is not None else []
+    if isinstance(t, torch._ops.OpOverload):
+        return [
+            v
+            for a, v in zip(t._schema.arguments, n.args)
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node)
+        ]
+    name = getattr(t, "__name__", "")
+    if name.endswith("_") and not name.startswith("_") and first is not None:
+        return [first]
+    return []
+
+
+def has_side_effects(n: fx.Node) -> bool:
+    """fx's notion of impure, plus in-place writes: fx counts ``x.add_(y)`` (a method call)
+    as pure, so its dead-code elimination drops an in-place accumulation whose result is not
+    used — transformers' MoE blocks add the routed experts into the shared expert's output
+    that way."""
+    try:
+        if n.is_impure():
+            return True
+    except Exception:  # noqa: BLE001 - an op fx cannot classify: keep it
+        return True
+    return bool(mutated_args(n))
+
+
+def eliminate_dead_code(graph: fx.Graph) -> bool:
+    """``Graph.eliminate_dead_code`` keeping in-place writes (``has_side_effects``)."""
+    return graph.eliminate_dead_code(is_impure_node=has_side_effects)
+
+
 def erase_unused(graph: fx.Graph, nodes: Any) -> int:
     """Erase ``nodes`` that have no users and no side effects, then whatever that leaves
     unused upstream, transitively; returns how many were erased.
@@ -110,7 +159,7 @@ def erase_unused(graph: fx.Graph, nodes: Any) -> int:
             or n.graph is not graph
             or n.op in ("placeholder", "output")
             or n.users
-            or n.is_impure()
+            or has_side_effects(n)
         ):
             continue
         work.extend(n.all_input_nodes)

@@ -60,6 +60,8 @@ import torch.fx as fx
 
 from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
 
+from .graph_utils import mutated_args
+
 # Kinds whose waits feed compute (phase 1) and those whose results are only accumulated or
 # returned (phase 3).
 INPUT_KINDS = frozenset({"broadcast", "all_gather", "ring"})
@@ -205,10 +207,44 @@ def is_heavy(n: fx.Node) -> bool:
     return getattr(t, "__name__", "") in _HEAVY_FUNCTIONS
 
 
+def pin_mutation_order(graph: fx.Graph) -> int:
+    """Pin (``meta["tspc_pinned"]``) every in-place write and every node that reads the written
+    value or any view of it. Their order is a dependency that no graph edge carries
+    (``inv[perm] = arange(n)`` then ``out[inv]``: the read has no edge to the write), so a node
+    moved across the write would see the value before or after it. Returns how many nodes
+    were pinned. Conservative: every view chain counts as one value."""
+    root: dict[fx.Node, fx.Node] = {}
+
+    def find(x: fx.Node) -> fx.Node:
+        while root.get(x, x) is not x:
+            x = root[x]
+        return x
+
+    for n in graph.nodes:
+        if _is_view(n) and n.args and isinstance(n.args[0], fx.Node):
+            root[find(n)] = find(n.args[0])
+    written = {find(m) for n in graph.nodes for m in mutated_args(n)}
+    if not written:
+        return 0
+    pinned = 0
+    for n in graph.nodes:
+        if (
+            mutated_args(n)
+            or find(n) in written
+            or any(find(i) in written for i in n.all_input_nodes)
+        ):
+            n.meta["tspc_pinned"] = True
+            pinned += 1
+    return pinned
+
+
 def _is_pinned(n: fx.Node) -> bool:
     """Nodes this pass never moves: graph inputs and outputs, collectives (moved only as
-    starts and waits), side effects and random number generation."""
+    starts and waits), side effects, random number generation, and the in-place writes and
+    reads of written values (``pin_mutation_order``)."""
     if n.op in ("placeholder", "output", "root"):
+        return True
+    if n.meta.get("tspc_pinned"):
         return True
     if n.op == "get_attr":
         return False
@@ -386,6 +422,7 @@ def schedule_overlap(gm: fx.GraphModule, lookahead: int = 1) -> ScheduleReport:
     xfers = transfers(g)
     if not xfers:
         return report
+    pin_mutation_order(g)
     order = _Order(g)
     report.streams = len({(t.kind, t.tag) for t in xfers})
     for t in xfers:

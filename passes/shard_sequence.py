@@ -65,6 +65,7 @@ from tspc.runtime.zigzag import drop_padding, fill_padding, padded_length, zigza
 from .analyse import GraphInfo
 from .graph_utils import (
     arg,
+    eliminate_dead_code,
     is_getitem,
     node_module_fqn,
     op_name,
@@ -1287,7 +1288,7 @@ def shard_sequence(
         report.notes.append(padding_note(seq_len, report.padded_len, group.size, gather_outputs))
     prop = _Propagator(gm, info, seq_len, group, gather_outputs, tags or {}, report)
     prop.run()
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return report

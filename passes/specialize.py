@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from .analyse import propagate_shapes
+from .graph_utils import has_side_effects
 
 
 def _is_plain_number(v: Any) -> bool:
@@ -50,7 +51,7 @@ def specialize(gm: fx.GraphModule, args: list[Any]) -> fx.GraphModule:
                     graph.erase_node(u)
     propagate_shapes(new, args)
     for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method") or node.is_impure():
+        if node.op not in ("call_function", "call_method") or has_side_effects(node):
             continue
         v = node.meta.get("val")
         if isinstance(v, torch.SymInt):

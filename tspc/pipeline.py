@@ -31,6 +31,7 @@ from tspc.passes.analyse import (
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.classify_mask import classify_masks
+from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
@@ -189,7 +190,7 @@ def run_pipeline(
             details["intermediate"] = m.intermediate
             report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
             report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
-        gm.graph.eliminate_dead_code()  # once for all layers; each rewrite erased its own
+        eliminate_dead_code(gm.graph)  # once for all layers; each rewrite erased its own
         propagate_shapes(gm, example_inputs + shards.examples)
         res.shard_inputs = shards.items
         snap("rewrite_mlp")
