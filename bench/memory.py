@@ -229,7 +229,7 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     from tspc.memory import MemoryTracker, breakdown, storage_bytes
 
     torch.manual_seed(0)
-    n_reports = len(tspc.report.REPORTS)
+    last_id = tspc.report.last_graph_id()
     t0 = time.perf_counter()
     with MemoryTracker() as tracker:  # before anything is built: everything is seen
         ids, targets = _data(job.config)
@@ -265,7 +265,7 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
             tsp_param_of(p).handle for p in model.parameters() if is_matched_param(p)
         )
         result["shards"] = storage_bytes(shards)
-    reports = tspc.report.REPORTS[n_reports:]
+    reports = tspc.report.reports_after(last_id)
     report = reports[-1] if reports else None
     result.update(
         loss=float(loss.detach()),

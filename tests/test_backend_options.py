@@ -62,3 +62,23 @@ def test_launcher_without_process_group_is_an_error_not_a_silent_single_rank(mon
     compiled = torch.compile(build_reference_model(num_layers=1), backend="tsp")
     with pytest.raises(Exception, match=r"WORLD_SIZE=2 is set but torch.distributed is not"):
         compiled(torch.randint(0, 256, (1, 16)))
+
+
+def test_a_new_scalar_value_does_not_recompile_a_dynamic_graph():
+    """With symbolic shapes tspc compiles once per concrete shape; a 0-d tensor input (here a
+    temperature) is keyed by its shape, not its value — only 0-d inputs whose value the graph
+    bakes in (``.item()``) are keyed by value. Counted by tspc's own compile reports."""
+    import tspc.report
+
+    def f(x, temperature):
+        return torch.softmax(x / temperature, dim=-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="tsp", dynamic=True)
+    before = tspc.report.last_graph_id()
+    x = torch.randn(2, 8, 4)
+    for t in (0.5, 1.0, 2.0):
+        torch.testing.assert_close(compiled(x, torch.tensor(t)), f(x, torch.tensor(t)))
+    assert len(tspc.report.reports_after(before)) == 1
+    compiled(torch.randn(2, 12, 4), torch.tensor(3.0))  # a new shape: one more compile
+    assert len(tspc.report.reports_after(before)) == 2

@@ -46,7 +46,7 @@ from .dump import write_dump
 from .inner import AotGraphs, compile_inner
 from .options import TSPOptions
 from .pipeline import LEVELS, PipelineResult, run_pipeline
-from .report import REPORTS, CompileReport
+from .report import CompileReport, remember
 
 log = logging.getLogger("tspc")
 _GRAPH_IDS = itertools.count()
@@ -62,7 +62,11 @@ class CompiledGraph:
 
 
 COMPILED: list[CompiledGraph] = []
-"""Every graph compiled in this process, oldest first (for dumps and tests)."""
+"""The latest graphs compiled in this process (at most ``KEEP_COMPILED``), oldest first, for
+dumps and tests. Each holds its pass-by-pass graphs: kept few, so that a long run that
+recompiles does not keep every graph it ever made."""
+
+KEEP_COMPILED = 16
 
 
 class TSPCompileError(RuntimeError):
@@ -123,10 +127,11 @@ def _compile_static(
             raise TSPCompileError(
                 "tspc (strict): these modules would not run the TSP schedules:\n" + lines
             )
-    REPORTS.append(report)
+    remember(report)
     log.info("%s", report.summary())
     graphs = AotGraphs()
     COMPILED.append(CompiledGraph(report, result, graphs))
+    del COMPILED[:-KEEP_COMPILED]
     full_inputs = _static_shard_examples(result.example_inputs(example_inputs), len(example_inputs))
     compiled = compile_inner(result.gm, full_inputs, opts, graphs)
     if opts.dump_dir:
@@ -278,13 +283,22 @@ class _PerShapeCompiler:
         self.group = group
         self.opts = opts
         self.cache: dict[tuple, Callable] = {}
+        # 0-d inputs whose value ``specialize`` bakes in (Dynamo reads a module's float
+        # attribute, a norm's eps, with ``.item()`` when shapes are dynamic): only their values
+        # are part of the key; any other 0-d tensor (a temperature, a loss scale) may change
+        # from call to call without a recompile.
+        self.baked = {
+            i
+            for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+            if any(u.op == "call_method" and u.target == "item" for u in n.users)
+        }
 
     def __call__(self, *args):
         key = tuple(
-            (a.item() if a.dim() == 0 and not a.requires_grad else tuple(a.shape))
+            (a.item() if i in self.baked and a.dim() == 0 else tuple(a.shape))
             if isinstance(a, torch.Tensor)
             else (a if isinstance(a, int) else None)
-            for a in args
+            for i, a in enumerate(args)
         )
         fn = self.cache.get(key)
         if fn is None:

@@ -470,7 +470,7 @@ def measure_rank(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     torch._dynamo.reset()  # a fresh model per rank: stale guards would recompile, then give up
-    n_reports = len(tspc.report.REPORTS)
+    last_id = tspc.report.last_graph_id()
     with (
         _fake_group(rank, world),
         _default_dtype(TORCH_DTYPES[dtype]),
@@ -549,7 +549,7 @@ def measure_rank(
         peak = tracker.peak_bytes
         del loss, optimizer, compiled, model
 
-    reports = tspc.report.REPORTS[n_reports:]
+    reports = tspc.report.reports_after(last_id)
     report = reports[-1] if reports else None
     sharded = world > 1 and report is not None and report.level != "replicated"
     if sharded and tracker.collective_ops == 0:  # then what ran was not the compiled graph

@@ -86,12 +86,26 @@ class CompileReport:
 
 
 REPORTS: list[CompileReport] = []
-"""Reports of every compile in this process, oldest first."""
+"""Reports of the latest compiles in this process (at most ``KEEP_REPORTS``), oldest first."""
+
+KEEP_REPORTS = 256
+
+
+def remember(report: CompileReport) -> None:
+    """Add ``report`` to ``REPORTS``, dropping the oldest beyond ``KEEP_REPORTS``: a process
+    that recompiles for hours must not grow without bound."""
+    REPORTS.append(report)
+    del REPORTS[:-KEEP_REPORTS]
+
+
+def reports_after(graph_id: int) -> list[CompileReport]:
+    """The reports of the graphs compiled after graph ``graph_id`` (ids only grow)."""
+    return [r for r in REPORTS if r.graph_id > graph_id]
+
+
+def last_graph_id() -> int:
+    return REPORTS[-1].graph_id if REPORTS else -1
 
 
 def last_report() -> CompileReport | None:
     return REPORTS[-1] if REPORTS else None
-
-
-def clear_reports() -> None:
-    REPORTS.clear()
