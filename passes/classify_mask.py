@@ -288,6 +288,8 @@ def _linear(e) -> dict | None:
         return {e[1]: 1}
     if e[0] == "const" and isinstance(e[1], int) and not isinstance(e[1], bool):
         return {1: e[1]}
+    if e[0] == "leaf":  # an element of a value (position ids at q or k): a variable of its own
+        return {e: 1}
     if e[0] == "op" and e[1] in ("add", "sub") and len(e[2]) == 2:
         a, b = _linear(e[2][0]), _linear(e[2][1])
         if a is None or b is None:
@@ -375,6 +377,60 @@ class MaskMeaning:
     kind: str  # "causal"
     key_valid: tuple | None  # expression of (b, k), or None when every key is valid
     dropped: list[str]
+    window: int | None = None  # query q sees keys q - window < k <= q
+    doc_ids: fx.Node | None = None  # [B|1, S]: q sees only keys of its own (contiguous) run
+    doc_source: str = ""  # how the documents were found (for the report)
+
+    def describe(self, key_padding: bool) -> str:
+        out = "causal"
+        if self.window is not None:
+            out += f" + sliding window {self.window}"
+        if self.doc_ids is not None:
+            out += f" + documents ({self.doc_source})"
+        if key_padding:
+            out += " + key padding"
+        if self.dropped:
+            out += " (" + "; ".join(self.dropped) + ")"
+        return out
+
+
+def _position_leaf(e) -> tuple[fx.Node, int] | None:
+    """(node, 2 or 3) when ``e`` is ``node[b, q]`` or ``node[b, k]`` of a [B|1, S] value."""
+    if e[0] != "leaf" or len(e[2]) != 2:
+        return None
+    b, i = e[2]
+    if b not in (("idx", 0), ("const", 0)) or i not in (("idx", 2), ("idx", 3)):
+        return None
+    return e[1], i[1]
+
+
+def _through_casts(n):
+    while isinstance(n, fx.Node) and op_name(n) in ("to", "int", "long", "type") and n.args:
+        n = n.args[0]
+    return n
+
+
+def _run_ids(doc: fx.Node) -> tuple[bool, fx.Node | None]:
+    """Is ``doc`` a cumulative sum along the sequence of a bool (so equal ids are contiguous
+    runs)? And, when the bool is ``diff(P) != 1``, the position ids P whose runs of +1 steps
+    the documents are (transformers' ``find_packed_sequence_indices``)."""
+    doc = _through_casts(doc)
+    if op_name(doc) != "cumsum":
+        return False, None
+    dim = arg(doc, 1, "dim")
+    tv = tensor_val(doc)
+    if tv is None or tv.dim() != 2 or dim not in (1, -1):
+        return False, None
+    x = _through_casts(doc.args[0])
+    xv = tensor_val(x)
+    if xv is None or xv.dtype != torch.bool:
+        return False, None
+    if op_name(x) == "ne" and len(x.args) == 2 and x.args[1] == 1:
+        d = x.args[0]
+        is_diff = isinstance(d, fx.Node) and op_name(d) == "diff"
+        if is_diff and arg(d, 2, "dim", -1) in (1, -1) and arg(d, 1, "n", 1) == 1:
+            return True, d.args[0]
+    return True, None
 
 
 def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> MaskMeaning | str:
@@ -395,8 +451,12 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
     parts: list = []
     _conjuncts(cond, parts)
     causal = False
+    windows: list[int] = []
     key_terms = []
     dropped = []
+    docs: set[fx.Node] = set()
+    # comparisons of position ids P[b, q], P[b, k] (packed sequences): (P, "causal" | W)
+    positional: list[tuple[fx.Node, object]] = []
     for p in parts:
         if p == ("const", True) or p == ("const", 1):
             continue
@@ -404,8 +464,8 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
         q = p
         while q[0] == "op" and q[1] == "not":
             negated, q = not negated, q[2][0]
+        cmp = _comparison(q, negated)
         if not _has_leaf(q):
-            cmp = _comparison(q, negated)
             if cmp is None:
                 return f"unrecognised index condition {p}"
             coeffs, bound = cmp
@@ -415,6 +475,9 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
             if coeffs == {2: 1, 3: -1} and bound >= s_q - 1:  # q - k <= W - 1 with W >= S
                 dropped.append(f"window q-k <= {bound} (always true at length {s_q})")
                 continue
+            if coeffs == {2: 1, 3: -1} and bound >= 0:  # a sliding window q - k < W
+                windows.append(bound + 1)
+                continue
             if coeffs == {3: 1, 2: -1} and bound >= s_k - 1:
                 dropped.append("an always-true comparison")
                 continue
@@ -422,7 +485,47 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
         if _vars(p) <= {0, 3}:
             key_terms.append(p)
             continue
+        if not negated and q[0] == "op" and q[1] == "eq":
+            sides = [_position_leaf(x) for x in q[2]]
+            if all(sides) and sides[0][0] is sides[1][0] and {sides[0][1], sides[1][1]} == {2, 3}:
+                if _run_ids(sides[0][0])[0]:
+                    docs.add(sides[0][0])
+                    continue
+                return f"documents whose ids are not contiguous runs (not a cumsum): {p}"
+        if cmp is not None and len(cmp[0]) == 2:
+            coeffs, bound = cmp
+            (a, ca), (b, cb) = coeffs.items()
+            la, lb = _position_leaf(a), _position_leaf(b)
+            if la and lb and la[0] is lb[0] and {ca, cb} == {1, -1}:
+                pos = {la[1]: ca, lb[1]: cb}
+                if pos == {3: 1, 2: -1} and bound == 0:
+                    positional.append((la[0], "causal"))
+                    continue
+                if pos == {2: 1, 3: -1} and bound >= 0:
+                    positional.append((la[0], bound + 1))
+                    continue
         return f"a mask term depends on the query position and an input: {p}"
+    if len(docs) > 1:
+        return "more than one document-id tensor"
+    doc = next(iter(docs), None)
+    doc_source = ""
+    if doc is not None:
+        doc_source = "ids from a cumulative sum"
+    for pos, what in positional:
+        # Comparing positions equals comparing indices only inside a run of +1 steps of P:
+        # the documents must be exactly those runs.
+        if doc is None or _run_ids(doc)[1] is not pos:
+            return (
+                f"the mask compares position ids ({pos.name}) without documents that are "
+                "their runs of consecutive positions"
+            )
+        doc_source = f"runs of consecutive {pos.name}"
+        if what == "causal":
+            causal = True
+        elif what >= s_q:
+            dropped.append(f"window {what} (always true at length {s_q})")
+        else:
+            windows.append(what)
     if not causal:
         return "the mask is not causal"
     if key_terms and off_value is not None:
@@ -437,7 +540,8 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
     key = None
     for t in key_terms:
         key = t if key is None else ("op", "and", (key, t))
-    return MaskMeaning("causal", key, dropped)
+    window = min(windows) if windows else None
+    return MaskMeaning("causal", key, dropped, window, doc, doc_source)
 
 
 # --------------------------------------------------------------------------- emitting key_valid
@@ -504,6 +608,43 @@ class MaskReport:
     module: str
     recognised: bool
     detail: str
+    # what ran: "causal", "sliding_window", "documents", "sliding_window+documents", or
+    # "dense_rows" (not recognised: each rank cuts its query rows of the mask — exact)
+    kind: str = "dense_rows"
+    window: int | None = None
+    documents: str | None = None  # where the document ids came from
+
+
+def _kind_of(meaning: MaskMeaning) -> str:
+    parts = []
+    if meaning.window is not None:
+        parts.append("sliding_window")
+    if meaning.doc_ids is not None:
+        parts.append("documents")
+    return "+".join(parts) or "causal"
+
+
+def _keep_full(n: fx.Node) -> None:
+    """``n`` and the values it is computed from stay whole on every rank: every query
+    chunk needs every key's document id (they are [B, S] integers, not S x S)."""
+    stack = [n]
+    while stack:
+        x = stack.pop()
+        if x.op not in ("call_function", "call_method") or x.meta.get("tspc_keep_full"):
+            continue
+        x.meta["tspc_keep_full"] = True
+        stack.extend(x.all_input_nodes)
+
+
+def _document_ids(g: fx.Graph, doc: fx.Node, batch: int, before: fx.Node) -> fx.Node:
+    """The [B, S] document ids the kernel takes (``doc`` may have batch 1)."""
+    _keep_full(doc)
+    if shape(doc)[0] == batch:
+        return doc
+    with g.inserting_before(before):
+        out = set_fake_value(g.call_method("expand", (doc, batch, -1)))
+    out.meta["tspc_keep_full"] = True
+    return out
 
 
 def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
@@ -513,6 +654,7 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
     reports = []
     cache: dict[fx.Node, MaskMeaning | str] = {}
     key_nodes: dict[tuple, fx.Node] = {}
+    doc_nodes: dict[fx.Node, fx.Node] = {}
     g = gm.graph
     for node in list(g.nodes):
         if op_name(node) != "sdpa" or node.target is causal_attention:
@@ -550,14 +692,26 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
                     n.meta["tspc_keep_full"] = True
                 key_nodes[meaning.key_valid] = kv
             key_valid = key_nodes[meaning.key_valid]
+        doc_ids = None
+        if meaning.doc_ids is not None:
+            if meaning.doc_ids not in doc_nodes:
+                doc_nodes[meaning.doc_ids] = _document_ids(g, meaning.doc_ids, qs[0], node)
+            doc_ids = doc_nodes[meaning.doc_ids]
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(qs[3])
         node.target = causal_attention
         node.args = (a["query"], a["key"], a["value"], key_valid, float(scale))
-        node.kwargs = {}
-        detail = "causal" + (" + key padding" if key_valid is not None else "")
-        if meaning.dropped:
-            detail += " (" + "; ".join(meaning.dropped) + ")"
-        reports.append(MaskReport(node.name, where, True, detail))
+        node.kwargs = {"window": meaning.window, "doc_ids": doc_ids}
+        reports.append(
+            MaskReport(
+                node.name,
+                where,
+                True,
+                meaning.describe(key_valid is not None),
+                kind=_kind_of(meaning),
+                window=meaning.window,
+                documents=meaning.doc_source or None,
+            )
+        )
     g.eliminate_dead_code()
     gm.recompile()
     return reports
