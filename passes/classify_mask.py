@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tspc.ops.zigzag_attention import causal_attention
+from tspc.ops.zigzag_attention import causal_attention  # also registers tspc::documents_of_mask
 
 from .graph_utils import arg, is_getitem, op_name, set_fake_value, shape, tensor_val
 from .match_attention import sdpa_args
@@ -380,12 +380,16 @@ class MaskMeaning:
     window: int | None = None  # query q sees keys q - window < k <= q
     doc_ids: fx.Node | None = None  # [B|1, S]: q sees only keys of its own (contiguous) run
     doc_source: str = ""  # how the documents were found (for the report)
+    # an explicit [B|1, 1, S, S] mask input: documents derived from it (and checked) per call
+    user_mask: fx.Node | None = None
 
     def describe(self, key_padding: bool) -> str:
+        if self.user_mask is not None:
+            return f"documents from {self.doc_source}"
         out = "causal"
         if self.window is not None:
             out += f" + sliding window {self.window}"
-        if self.doc_ids is not None:
+        if self.doc_ids is not None or self.user_mask is not None:
             out += f" + documents ({self.doc_source})"
         if key_padding:
             out += " + key padding"
@@ -433,6 +437,29 @@ def _run_ids(doc: fx.Node) -> tuple[bool, fx.Node | None]:
     return True, None
 
 
+USER_MASK_SOURCE = (
+    "a 4-D mask input: every call checks, a band of rows at a time, that each batch row is "
+    "block-diagonal causal (per-document causal attention, no S x S tensor); a row that is not "
+    "runs on its own mask rows, a tile at a time (exact)"
+)
+
+
+def _user_mask(e, s: int) -> MaskMeaning | str | None:
+    """An explicit ``[B|1, 1, S, S]`` mask input used as it is (a packed batch's block mask):
+    its values are data, so what it means is decided per call (``documents_of_mask``)."""
+    if e[0] != "leaf" or e[1].op != "placeholder" or len(e[2]) != 4:
+        return None
+    node, (b, _, q, k) = e[1], e[2]
+    tv = tensor_val(node)
+    if tv is None or tv.dim() != 4 or tuple(tv.shape[1:]) != (1, s, s):
+        return None
+    if b not in (("idx", 0), ("const", 0)) or q != ("idx", 2) or k != ("idx", 3):
+        return None
+    if tv.dtype != torch.bool and not tv.dtype.is_floating_point:
+        return f"an integer 4-D mask input ({tv.dtype})"
+    return MaskMeaning("causal", None, [], doc_source=USER_MASK_SOURCE, user_mask=node)
+
+
 def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> MaskMeaning | str:
     """What ``mask`` (an SDPA attn_mask node) means, or a string saying why it is not known."""
     tv = tensor_val(mask)
@@ -445,6 +472,9 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
         e = ev.expr(mask, idx)
     except (_Opaque, ValueError, TypeError) as err:
         return f"mask not analysable: {err}"
+    user = _user_mask(e, s_q)
+    if user is not None:
+        return user
     cond, off_value = _condition(e, tv.dtype)
     if cond is None:
         return "float mask is not of the form where(condition, 0, -large)"
@@ -619,7 +649,7 @@ def _kind_of(meaning: MaskMeaning) -> str:
     parts = []
     if meaning.window is not None:
         parts.append("sliding_window")
-    if meaning.doc_ids is not None:
+    if meaning.doc_ids is not None or meaning.user_mask is not None:
         parts.append("documents")
     return "+".join(parts) or "causal"
 
@@ -693,14 +723,22 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
                 key_nodes[meaning.key_valid] = kv
             key_valid = key_nodes[meaning.key_valid]
         doc_ids = None
-        if meaning.doc_ids is not None:
-            if meaning.doc_ids not in doc_nodes:
-                doc_nodes[meaning.doc_ids] = _document_ids(g, meaning.doc_ids, qs[0], node)
-            doc_ids = doc_nodes[meaning.doc_ids]
+        if meaning.user_mask is not None and meaning.user_mask not in doc_nodes:
+            with g.inserting_before(node):
+                op = torch.ops.tspc.documents_of_mask.default
+                ids = set_fake_value(g.call_function(op, (meaning.user_mask,)))
+            doc_nodes[meaning.user_mask] = _document_ids(g, ids, qs[0], node)
+        doc_src = meaning.doc_ids if meaning.user_mask is None else meaning.user_mask
+        if doc_src is not None:
+            if doc_src not in doc_nodes:
+                doc_nodes[doc_src] = _document_ids(g, doc_src, qs[0], node)
+            doc_ids = doc_nodes[doc_src]
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(qs[3])
         node.target = causal_attention
         node.args = (a["query"], a["key"], a["value"], key_valid, float(scale))
         node.kwargs = {"window": meaning.window, "doc_ids": doc_ids}
+        if meaning.user_mask is not None:
+            node.kwargs = {**node.kwargs, "dense_mask": meaning.user_mask}
         reports.append(
             MaskReport(
                 node.name,

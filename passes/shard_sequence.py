@@ -1151,7 +1151,11 @@ class _Propagator:
                 self.rank,
                 self.D,
             )
-            node.kwargs = {"window": a["window"], "doc_ids": doc_ids}
+            node.kwargs = {
+                "window": a["window"],
+                "doc_ids": doc_ids,
+                "dense_mask": a["dense_mask"],  # an explicit mask input: whole, replicated
+            }
         else:
             # No mask, not causal: every query sees every key; local queries need nothing else.
             pass

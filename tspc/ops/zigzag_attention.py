@@ -65,9 +65,10 @@ class Block:
 class _Structure:
     """``lo(q)``, the first key query q may see: max(start of q's document, q - window + 1)."""
 
-    def __init__(self, window: int | None, starts: list[int] | None):
+    def __init__(self, window: int | None, starts: list[int] | None, dense=None):
         self.window = window
         self.starts = starts or [0]
+        self.dense = dense  # this group's rows of an explicit mask ("dense" blocks)
 
     def start(self, q: int) -> int:
         return self.starts[bisect.bisect_right(self.starts, q) - 1]
@@ -98,7 +99,9 @@ def _segment_blocks(st: _Structure, a: int, b: int) -> list[Block]:
     return out
 
 
-def plan_blocks(a: int, b: int, window: int | None, starts: list[int] | None) -> list[list]:
+def plan_blocks(
+    a: int, b: int, window: int | None, starts: list[int] | str | None, n_keys: int = 0
+) -> list[list]:
     """Query rows [a, b) cut into tiles, each with its blocks: [[Block, ...], ...].
 
     Plain causal attention is one tile (a fully visible prefix and the diagonal). With a
@@ -106,9 +109,11 @@ def plan_blocks(a: int, b: int, window: int | None, starts: list[int] | None) ->
     start: the rows before it lie in one document, the rows from it on begin a new one, so
     no block reaches farther back than a window or a tile — every mask is at most
     TILE x 2 TILE, never c x S."""
-    st = _Structure(window, starts)
     if b <= a:
         return []
+    if starts == "dense":  # an arbitrary mask: its rows, a tile at a time, against every key
+        return [[Block(t0, min(t0 + TILE, b), 0, n_keys, "dense")] for t0 in range(a, b, TILE)]
+    st = _Structure(window, starts)
     if window is None and starts is None:
         return [_segment_blocks(st, a, b)]
     tiles = []
@@ -139,11 +144,14 @@ def _doc_starts(doc_ids: torch.Tensor) -> list[list[int]]:
 
 
 def _row_groups(batch: int, doc_ids: torch.Tensor | None):
-    """[(batch slice, document starts or None)]: one group when every row has the same
-    documents (or there are none), else one per row (views, no copies)."""
+    """[(batch slice, document starts, or None, or "dense")]: one group when every row has
+    the same documents (or there are none), else one per row (views, no copies). A row whose
+    ids are negative (``documents_of_mask`` found its mask is not block-diagonal causal) runs
+    on its explicit mask ("dense")."""
     if doc_ids is None:
         return [(slice(None), None)]
-    starts = _doc_starts(doc_ids)
+    dense = (doc_ids[:, 0] < 0).tolist()
+    starts = ["dense" if d else s for d, s in zip(dense, _doc_starts(doc_ids))]
     if all(s == starts[0] for s in starts):
         return [(slice(None), starts[0])]
     return [(slice(b, b + 1), s) for b, s in enumerate(starts)]
@@ -163,6 +171,12 @@ def _block_bias(blk: Block, st: _Structure, valid, dtype, device):
         see = (kpos[None, :] >= lo[:, None]) & (kpos[None, :] <= qpos[:, None])
         bias = torch.zeros(see.shape, dtype=dtype, device=device).masked_fill(~see, float("-inf"))
         bias = bias[None, None]
+    elif blk.kind == "dense":
+        m = st.dense[:, :, blk.q0 : blk.q1, blk.k0 : blk.k1]
+        if m.dtype == torch.bool:
+            bias = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, float("-inf"))
+        else:
+            bias = m.to(dtype)
     if valid is not None:
         v = valid[:, blk.k0 : blk.k1]
         pad = torch.zeros(v.shape, dtype=dtype, device=device).masked_fill(~v, float("-inf"))
@@ -201,22 +215,29 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return torch.cat([x, x.new_full(extra, value)], dim=2)
 
 
-def _plan(rank, world, n_queries, n_keys, window, doc_ids, batch):
+def _plan(rank, world, n_queries, n_keys, window, doc_ids, batch, dense_mask=None):
     """[(batch rows, structure, [(local row of the chunk, rows, [tile blocks...])])]."""
     out = []
     for rows, starts in _row_groups(batch, doc_ids):
-        st = _Structure(window, starts)
+        dense = None
+        if starts == "dense":
+            if dense_mask is None:
+                raise ValueError("negative document ids without an explicit mask to fall back to")
+            dense = dense_mask[rows] if dense_mask.shape[0] == batch else dense_mask
+        st = _Structure(window, None if dense is not None else starts, dense)
         chunks = []
         for r0, p0, n in _chunks(rank, world, n_queries):
             # rows past the last key are padding (runtime/zigzag.py): in no block
-            chunks.append((r0, p0, n, plan_blocks(p0, min(p0 + n, n_keys), window, starts)))
+            last = min(p0 + n, n_keys)
+            chunks.append((r0, p0, n, plan_blocks(p0, last, window, starts, n_keys)))
         out.append((rows, st, chunks))
     return out
 
 
-def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None):
+def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dense_mask=None):
     out_groups, lse_groups = [], []
-    for rows, st, chunks in _plan(rank, world, q.shape[2], k.shape[2], window, doc_ids, q.shape[0]):
+    plan = _plan(rank, world, q.shape[2], k.shape[2], window, doc_ids, q.shape[0], dense_mask)
+    for rows, st, chunks in plan:
         qg, kg, vg = q[rows], k[rows], v[rows]
         vg_valid = None if valid is None else valid[rows]
         outs, lses = [], []
@@ -267,34 +288,37 @@ def zigzag_causal_attention(
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
     doc_ids: torch.Tensor | None = None,
+    dense_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (output [B, Hq, S/D, d], log-sum-exp [B, Hq, S/D] in fp32)."""
-    out, lse = _forward(q, k, v, rank, world, scale, key_valid, window, doc_ids)
+    out, lse = _forward(q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask)
     return out.contiguous(), lse.contiguous()
 
 
 @zigzag_causal_attention.register_fake
-def _(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None):
+def _(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, rank, world, scale, key_valid, window, doc_ids = inputs
+    q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, key_valid, doc_ids)
+    ctx.save_for_backward(q, k, v, out, lse, key_valid, doc_ids, dense_mask)
     ctx.rank, ctx.world, ctx.scale, ctx.window = rank, world, scale, window
-    ctx.has_valid, ctx.has_docs = key_valid is not None, doc_ids is not None
+    ctx.has = (key_valid is not None, doc_ids is not None, dense_mask is not None)
 
 
 def _attention_backward(
-    grad_out, q, k, v, out, lse, rank, world, scale, valid, window=None, doc_ids=None
-):
+    grad_out, q, k, v, out, lse, rank, world, scale, valid, window=None, doc_ids=None,
+    dense_mask=None,
+):  # fmt: skip
     # Rows that see no key at all: output 0, no gradient. lse=+inf makes every weight 0.
     lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     dq_groups = []
-    for rows, st, chunks in _plan(rank, world, q.shape[2], k.shape[2], window, doc_ids, q.shape[0]):
+    plan = _plan(rank, world, q.shape[2], k.shape[2], window, doc_ids, q.shape[0], dense_mask)
+    for rows, st, chunks in plan:
         g_valid = None if valid is None else valid[rows]
         kg, vg, dkg, dvg = k[rows], v[rows], dk[rows], dv[rows]
         dq_chunks = []
@@ -342,32 +366,81 @@ def zigzag_causal_attention_backward(
     key_valid: torch.Tensor | None = None,
     window: int | None = None,
     doc_ids: torch.Tensor | None = None,
+    dense_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dq, dk, dv) of ``zigzag_causal_attention`` given its output and lse."""
     dq, dk, dv = _attention_backward(
-        grad_out, q, k, v, out, lse, rank, world, scale, key_valid, window, doc_ids
+        grad_out, q, k, v, out, lse, rank, world, scale, key_valid, window, doc_ids, dense_mask
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @zigzag_causal_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, rank, world, scale, key_valid=None, window=None, doc_ids=None):
+def _(grad_out, q, k, v, out, lse, rank, world, scale, key_valid=None, window=None, doc_ids=None,
+      dense_mask=None):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, valid, doc_ids = ctx.saved_tensors
-    if not ctx.has_valid:
-        valid = None
-    if not ctx.has_docs:
-        doc_ids = None
+    q, k, v, out, lse, *optional = ctx.saved_tensors
+    valid, doc_ids, dense_mask = (t if has else None for t, has in zip(optional, ctx.has))
     dq, dk, dv = torch.ops.tspc.zigzag_causal_attention_backward(
-        grad_out, q, k, v, out, lse, ctx.rank, ctx.world, ctx.scale, valid, ctx.window, doc_ids
-    )
-    return dq, dk, dv, None, None, None, None, None, None
+        grad_out, q, k, v, out, lse, ctx.rank, ctx.world, ctx.scale, valid, ctx.window, doc_ids,
+        dense_mask,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("tspc::zigzag_causal_attention", _backward, setup_context=_setup)
+
+
+# Rows of an explicit mask checked at a time: a [rows, S] temporary, never S x S.
+CHECK_ELEMENTS = 1 << 22
+
+
+@torch.library.custom_op("tspc::documents_of_mask", mutates_args=())
+def documents_of_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Document ids [B, S] (int64) of an explicit ``[B|1, 1, S, S]`` mask that is block-diagonal
+    causal — query q sees exactly keys [start of its document, q] — checked element by element,
+    a band of rows at a time; a batch row whose mask is anything else gets ids -1 (the kernel
+    then runs it on the mask's own rows). A bool mask attends where True; an additive float
+    mask where 0, and it must be very negative (<= -1e4) everywhere else."""
+    b, h, s, s_k = mask.shape
+    if h != 1 or s != s_k:
+        raise ValueError(f"documents_of_mask needs a [B, 1, S, S] mask, got {tuple(mask.shape)}")
+    rows = max(1, CHECK_ELEMENTS // max(s, 1))
+    out = torch.empty(b, s, dtype=torch.long, device=mask.device)
+    pos = torch.arange(s, device=mask.device)
+    for i in range(b):
+        first = torch.empty(s, dtype=torch.long, device=mask.device)
+        ok = True
+        for r0 in range(0, s, rows):
+            m = mask[i, 0, r0 : r0 + rows]
+            see = m if m.dtype == torch.bool else m == 0
+            if m.dtype != torch.bool and not bool((m[~see] <= -1e4).all()):
+                ok = False
+                break
+            first[r0 : r0 + rows] = see.to(torch.int8).argmax(-1)  # the first key it sees
+        if ok:
+            # each row starts a document (first == q) or continues the previous row's
+            prev = torch.cat([first.new_zeros(1), first[:-1]])
+            ok = bool(((first == pos) | (first == prev)).all())
+        if ok:
+            for r0 in range(0, s, rows):
+                m = mask[i, 0, r0 : r0 + rows]
+                see = m if m.dtype == torch.bool else m == 0
+                q = pos[r0 : r0 + rows, None]
+                want = (pos[None, :] >= first[r0 : r0 + rows, None]) & (pos[None, :] <= q)
+                if not bool((see == want).all()):
+                    ok = False
+                    break
+        out[i] = torch.cumsum((first == pos).long(), 0) - 1 if ok else -1
+    return out
+
+
+@documents_of_mask.register_fake
+def _(mask):
+    return mask.new_empty((mask.shape[0], mask.shape[2]), dtype=torch.long)
 
 
 def default_scale(head_dim: int) -> float:
@@ -385,16 +458,20 @@ def causal_attention(
     *,
     window: int | None = None,
     doc_ids: torch.Tensor | None = None,
+    dense_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention (plus optional key padding, sliding window and documents) in the form
     the passes emit: query q sees key k iff ``k <= q``, ``q - k < window``,
     ``doc_ids[b, q] == doc_ids[b, k]`` (documents are contiguous runs of equal ids) and
-    ``key_valid[b, k]``.
+    ``key_valid[b, k]``. A batch row whose ``doc_ids`` are negative runs on its rows of
+    ``dense_mask`` instead (an explicit mask that turned out not to be documents; exact).
 
     With ``world == 1`` it is attention over the whole sequence; the sequence pass sets
     ``rank``/``world`` when the queries are this rank's zigzag chunks.
     """
-    return zigzag_causal_attention(q, k, v, rank, world, scale, key_valid, window, doc_ids)[0]
+    return zigzag_causal_attention(
+        q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask
+    )[0]
 
 
 # Under torch.autocast the attention of the original graph (SDPA) runs in the autocast dtype;
@@ -405,7 +482,7 @@ _AUTOCAST_LIB = torch.library.Library("tspc", "IMPL")
 
 
 def _autocast_kernel(device_type: str):
-    def kernel(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None):
+    def kernel(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense=None):
         dtype = torch.get_autocast_dtype(device_type)
 
         def cast(t):
@@ -414,7 +491,7 @@ def _autocast_kernel(device_type: str):
 
         with torch.autocast(device_type, enabled=False):
             return torch.ops.tspc.zigzag_causal_attention(
-                cast(q), cast(k), cast(v), rank, world, scale, key_valid, window, doc_ids
+                cast(q), cast(k), cast(v), rank, world, scale, key_valid, window, doc_ids, dense
             )
 
     return kernel
