@@ -45,7 +45,7 @@ from .attention_kernels import block_backward, block_forward
 # ----------------------------------------------------------------------------- the block plan
 
 # Query tile of the banded and document paths: a band block's mask is at most TILE x 2*TILE.
-TILE = 512
+TILE = 256
 
 
 @dataclass(frozen=True)
