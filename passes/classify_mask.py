@@ -1,4 +1,4 @@
-"""Pass 1b — classify attention masks: recognise causal (+ key padding) masks built in-graph.
+"""Pass 1b — classify attention masks: recognise causal masks built in-graph, and what narrows them.
 
 Hugging Face models under ``torch.compile`` build an explicit ``[B, 1, S, S]`` mask from index
 comparisons and the ``attention_mask`` input and call SDPA with ``is_causal=False``. At long
@@ -8,12 +8,27 @@ over the index variables and the graph's inputs (``kv_idx <= q_idx``,
 ``attention_mask[b, kv_idx]``, ...). When the expression is a conjunction of
 
 * the causal comparison ``k <= q`` (possibly written any way a linear comparison can be),
-* comparisons that are always true at this length (a sliding window wider than the sequence),
+* a sliding window ``q - k < W`` (however written; W narrower than the sequence narrows each
+  query's keys, a wider one is always true and dropped; layers may differ: each SDPA call's
+  mask is classified on its own),
+* documents: ``ids[b, q] == ids[b, k]`` where ``ids`` is a cumulative sum of a bool along the
+  sequence (so equal ids are contiguous runs). Packed sequences are the case transformers
+  builds from restarting ``position_ids``: ids ``cumsum(diff(P) != 1)`` and the causal (and
+  window) comparisons written on the positions ``P[b, k] <= P[b, q]``, which equal the index
+  comparisons exactly because the documents are P's runs of +1 steps (checked in the graph),
 * terms of ``(b, k)`` only — key padding — that can be computed as a ``[B, S]`` tensor,
+* comparisons that are always true at this length,
 
-the SDPA call becomes ``causal_attention(q, k, v, key_valid, scale)``: the zigzag causal kernel,
-with no ``S x S`` tensor anywhere (the mask subgraph becomes dead code). Anything else is left
-alone; the sequence pass then cuts the mask's query rows, which is always exact.
+the SDPA call becomes ``causal_attention(q, k, v, key_valid, scale, window=W, doc_ids=ids)``:
+the zigzag kernel, which skips key blocks outside the window or the document, with no
+``S x S`` (or ``c x S``) tensor anywhere (the mask subgraph becomes dead code).
+
+An explicit ``[B|1, 1, S, S]`` mask passed in by the user (a packed batch's block-diagonal
+mask) is data: ``tspc::documents_of_mask`` derives document ids from it on every call,
+checking a band of rows at a time that each batch row is block-diagonal causal; a row that is
+not runs exactly on its own mask rows, a tile at a time (the input itself is S x S; nothing
+else is). Anything else is left alone and reported; the sequence pass then cuts the mask's
+query rows, which is always exact.
 
 Additive float masks (``0`` where attending, a very negative value elsewhere, as eager attention
 uses) are recognised through ``where``/``masked_fill`` forms of a boolean condition.
@@ -408,6 +423,17 @@ def _position_leaf(e) -> tuple[fx.Node, int] | None:
     return e[1], i[1]
 
 
+def _input_name(n: fx.Node) -> str:
+    """``position_ids`` for Dynamo's placeholder ``l_kwargs_position_ids_``."""
+    if n.op != "placeholder":
+        return n.name
+    name = n.name
+    for prefix in ("l_kwargs_", "l_args_"):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name.strip("_")
+
+
 def _through_casts(n):
     while isinstance(n, fx.Node) and op_name(n) in ("to", "int", "long", "type") and n.args:
         n = n.args[0]
@@ -549,7 +575,7 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
                 f"the mask compares position ids ({pos.name}) without documents that are "
                 "their runs of consecutive positions"
             )
-        doc_source = f"runs of consecutive {pos.name}"
+        doc_source = f"runs of consecutive {_input_name(pos)}"
         if what == "causal":
             causal = True
         elif what >= s_q:
@@ -678,7 +704,8 @@ def _document_ids(g: fx.Graph, doc: fx.Node, batch: int, before: fx.Node) -> fx.
 
 
 def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
-    """Replace SDPA calls whose explicit mask is causal (+ key padding) by ``causal_attention``."""
+    """Replace SDPA calls whose explicit mask is causal (+ window, documents, key padding) by
+    ``causal_attention``; report what every mask was recognised as, or why not."""
     from .graph_utils import node_module_fqn
 
     reports = []

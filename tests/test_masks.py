@@ -494,3 +494,29 @@ def test_no_s_by_s_at_4096_and_no_crash_after_release():
         assert r["peak"] < S_LONG * S_LONG / 4, f"peak {r['peak']}; one S x S bool: {S_LONG**2}"
         assert r["error"] and "ReleasedWeightsNeededError" in r["error"], r
         assert "released the full tensors" in r["error"] and "injected" in r["error"], r
+
+
+@pytest.mark.parametrize("dtype, kv_heads", [(torch.bfloat16, 1), (torch.float32, 2)])
+def test_window_blocks_on_fake_cuda(monkeypatch, dtype, kv_heads):
+    """A window on fake CUDA tensors (no GPU here): the band blocks take the memory-efficient
+    kernel (a mask), the others flash where the dtype allows; no CPU-only op, forward or
+    backward, and the shapes the kernels return fit (a real GPU run is still owed)."""
+    from tspc import device_check, fake_cuda
+    from tspc.device_check import cpu_only_ops, kernels_named
+    from tspc.runtime.compat import fake_tensor_mode
+
+    monkeypatch.setattr(zz, "TILE", 16)
+    fake_cuda.ensure_device_guard()
+    mode = fake_tensor_mode()
+    s, world, d = 128, 2, 64
+    with mode:
+        q = torch.empty(2, 4, s // world, d, device="cuda", dtype=dtype)
+        k = torch.empty(2, kv_heads, s, d, device="cuda", dtype=dtype)
+    rec = device_check._OpRecorder()
+    with mode, rec:
+        o, lse = zz._forward(q, k, k, 0, world, 0.125, None, 20)
+        dq, dk, dv = zz._attention_backward(o, q, k, k, o, lse, 0, world, 0.125, None, 20)
+    assert o.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape
+    want = ["cuda_efficient", "cuda_flash"] if dtype == torch.bfloat16 else ["cuda_efficient"]
+    assert kernels_named(rec.ops) == want
+    assert cpu_only_ops(rec.ops) == []
