@@ -84,8 +84,8 @@ def _check_kernel(world, n, window, doc_ids, key_padding, kv_heads=2, hq=4, d=8,
 
 
 @pytest.mark.parametrize("tile", [3, 256])
-@pytest.mark.parametrize("world, n", [(1, 13), (2, 32), (2, 31), (4, 33)])
-@pytest.mark.parametrize("window", [1, 2, 5, 9, 40])
+@pytest.mark.parametrize("world, n", [(1, 13), (2, 31), (4, 33)])
+@pytest.mark.parametrize("window", [1, 5, 40])
 def test_window_kernel_matches_dense(monkeypatch, tile, world, n, window):
     """Windows narrower than a tile, than a chunk, wider than the sequence; tiles of 3 rows
     (every path: edge band, full middle, diagonal, one band block) and of 256 (a chunk)."""
@@ -93,13 +93,13 @@ def test_window_kernel_matches_dense(monkeypatch, tile, world, n, window):
     _check_kernel(world, n, window, None, key_padding=window == 5)
 
 
-@pytest.mark.parametrize("tile", [4, 256])
+@pytest.mark.parametrize("tile", [4])
 @pytest.mark.parametrize("world, n", [(1, 16), (2, 32), (4, 30)])
 @pytest.mark.parametrize("same_rows", [True, False])
 @pytest.mark.parametrize("window", [None, 4])
 def test_document_kernel_matches_dense(monkeypatch, tile, world, n, same_rows, window):
     """Documents of 1 to 11 tokens, the same in every batch row or not, with and without a
-    window; key padding in one case."""
+    window; key padding in one case; tiles of 4 rows (documents split tiles)."""
     monkeypatch.setattr(zz, "TILE", tile)
     rows = [[5, 1, 7], [5, 1, 7]] if same_rows else [[3, 11, 2, 1], [9]]
     docs = _docs(2, n, rows)
