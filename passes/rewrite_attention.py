@@ -546,7 +546,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 att = g.call_function(
                     causal_attention,
                     (q_r, k_full, v_full, key_valid, float(scale), rank, D),
-                    dict(attention.kwargs),  # sliding window, document ids
+                    dict(attention.kwargs),  # window, document ids, an explicit mask
                 )
             elif kind == "sdpa_masked_rows":
                 att = g.call_function(

@@ -286,6 +286,17 @@ GRAPH_CASES = {
         {},
         ["causal", "sliding_window"],
     ),
+    "gemma3_alternating": (
+        "gemma3_text",
+        "sdpa",
+        {
+            "sliding_window": 4,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        {},
+        ["sliding_window", "causal"],
+    ),
     "llama_packed": ("llama", "sdpa", {}, {"packed": True}, ["documents"] * 2),
     "mistral_packed_window": (
         "mistral",
