@@ -440,6 +440,20 @@ def _through_casts(n):
     return n
 
 
+def _consecutive(ev: _Evaluator, pos: fx.Node) -> bool:
+    """Are the position ids ``pos[b, q]`` the index ``q`` plus a constant (built in the graph
+    from ``arange``)?"""
+    tv = tensor_val(pos)
+    if tv is None or tv.dim() != 2:
+        return False
+    try:
+        e = ev.expr(pos, (("idx", 0), ("idx", 2)))
+    except (_Opaque, ValueError, TypeError):
+        return False
+    lin = _linear(e)
+    return lin is not None and {k: v for k, v in lin.items() if k != 1} == {2: 1}
+
+
 def _run_ids(doc: fx.Node) -> tuple[bool, fx.Node | None]:
     """Is ``doc`` a cumulative sum along the sequence of a bool (so equal ids are contiguous
     runs)? And, when the bool is ``diff(P) != 1``, the position ids P whose runs of +1 steps
@@ -486,8 +500,13 @@ def _user_mask(e, s: int) -> MaskMeaning | str | None:
     return MaskMeaning("causal", None, [], doc_source=USER_MASK_SOURCE, user_mask=node)
 
 
-def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> MaskMeaning | str:
+# Largest value (elements) evaluated on real data when it depends on no input (in-graph ids).
+FOLD_LIMIT = 1 << 16
+
+
+def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -> MaskMeaning | str:
     """What ``mask`` (an SDPA attn_mask node) means, or a string saying why it is not known."""
+    fold_limit = FOLD_LIMIT if fold_limit is None else fold_limit
     tv = tensor_val(mask)
     if tv is None:
         return "the mask is not a tensor"
@@ -567,6 +586,12 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int = 1 << 16) -> Ma
     doc_source = ""
     if doc is not None:
         doc_source = "ids from a cumulative sum"
+        pos = _run_ids(doc)[1]
+        if pos is not None and _consecutive(ev, pos):
+            # position ids built in the graph (arange): one run, one document per row —
+            # what transformers' packed-sequence check gives when nothing is packed
+            dropped.append(f"documents of consecutive {_input_name(pos)}: one per row")
+            doc = None
     for pos, what in positional:
         # Comparing positions equals comparing indices only inside a run of +1 steps of P:
         # the documents must be exactly those runs.

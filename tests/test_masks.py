@@ -332,6 +332,26 @@ def test_masks_are_recognised_and_no_rank_graph_holds_s_by_s(name, fake_group):
     assert _sxs_values(COMPILED[-1].pipeline.gm, seq, rep.padded_seq_len, 2) == []
 
 
+def test_in_graph_positions_past_the_fold_limit_stay_plain_causal(monkeypatch, fake_group):
+    """Without position_ids transformers still builds packed-sequence ids from in-graph
+    positions; past the size the classifier evaluates on data (B·S > 65536 tokens: every long
+    context) they are a symbolic cumsum. The positions are an arange: one document per row,
+    plain causal (they used to leave the whole mask unrecognised: c x S rows at 128K)."""
+    import tspc
+    from tspc.passes import classify_mask
+
+    monkeypatch.setattr(classify_mask, "FOLD_LIMIT", 0)
+    fake_group(0, 2)
+    with torch.no_grad():
+        model = _model("mistral", sliding_window=5).eval()
+        torch.compile(model, backend="tsp", options={"strict": True})(
+            input_ids=torch.randint(1, 128, (2, 17))
+        )
+    rep = tspc.last_report()
+    assert [m["kind"] for m in rep.masks] == ["sliding_window"] * 2, rep.masks
+    assert "one per row" in rep.masks[0]["detail"]
+
+
 def test_an_arbitrary_in_graph_mask_keeps_the_exact_fallback(fake_group):
     """A mask that is not causal (each query also sees the next key) is reported as not
     recognised and each rank cuts its query rows (the graph check would see them)."""

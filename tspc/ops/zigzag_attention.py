@@ -114,7 +114,7 @@ def plan_blocks(
     if starts == "dense":  # an arbitrary mask: its rows, a tile at a time, against every key
         return [[Block(t0, min(t0 + TILE, b), 0, n_keys, "dense")] for t0 in range(a, b, TILE)]
     st = _Structure(window, starts)
-    if window is None and starts is None:
+    if window is None and (starts is None or starts == [0]):  # plain causal: one tile
         return [_segment_blocks(st, a, b)]
     tiles = []
     for t0 in range(a, b, TILE):
