@@ -551,3 +551,13 @@ def test_window_blocks_on_fake_cuda(monkeypatch, dtype, kv_heads):
     want = ["cuda_efficient", "cuda_flash"] if dtype == torch.bfloat16 else ["cuda_efficient"]
     assert kernels_named(rec.ops) == want
     assert cpu_only_ops(rec.ops) == []
+
+
+def test_document_starts_are_read_once_per_tensor_and_follow_changes():
+    """The kernel reads document starts on the host once per ``doc_ids`` tensor (every layer
+    of a forward gets the same one); an in-place change or a new tensor is read again."""
+    docs = _docs(2, 16, [[5, 11], [16]])
+    _check_kernel(2, 16, None, docs, key_padding=False)
+    docs[0, 3:] = 7  # in place: documents [3, 13]
+    _check_kernel(2, 16, None, docs, key_padding=False)
+    _check_kernel(2, 16, None, _docs(2, 16, [[1, 15], [8]]), key_padding=False)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -134,12 +135,25 @@ def _chunks(rank: int, world: int, n_queries: int) -> list[tuple[int, int, int]]
     return [(i * c, j * c, c) for i, j in enumerate((rank, 2 * world - 1 - rank))]
 
 
-def _doc_starts(doc_ids: torch.Tensor) -> list[list[int]]:
-    """Per batch row, the positions where a document starts (0 first)."""
-    change = doc_ids[:, 1:] != doc_ids[:, :-1]
+# The document starts of the last ``doc_ids`` seen: one forward hands the same tensor to every
+# layer and head-group step (and its backward), and reading them is a device-to-host copy (a
+# sync on a GPU). Keyed by the tensor object itself (a weak reference: a live tensor's memory
+# is never another's) and its version counter (an in-place change).
+_STARTS_CACHE: list = [None, -1, None]
+
+
+def _doc_starts(doc_ids: torch.Tensor) -> list:
+    """Per batch row, the positions where a document starts (0 first), or "dense" for a row
+    of negative ids (not documents: see ``documents_of_mask``)."""
+    ref, version, starts = _STARTS_CACHE
+    if ref is not None and ref() is doc_ids and version == doc_ids._version:
+        return starts
+    ids = doc_ids.cpu()
+    change = ids[:, 1:] != ids[:, :-1]
     out = []
-    for row in change.cpu():
-        out.append([0] + (row.nonzero().flatten() + 1).tolist())
+    for first, row in zip(ids[:, 0].tolist(), change):
+        out.append("dense" if first < 0 else [0] + (row.nonzero().flatten() + 1).tolist())
+    _STARTS_CACHE[:] = [weakref.ref(doc_ids), doc_ids._version, out]
     return out
 
 
@@ -150,8 +164,7 @@ def _row_groups(batch: int, doc_ids: torch.Tensor | None):
     on its explicit mask ("dense")."""
     if doc_ids is None:
         return [(slice(None), None)]
-    dense = (doc_ids[:, 0] < 0).tolist()
-    starts = ["dense" if d else s for d, s in zip(dense, _doc_starts(doc_ids))]
+    starts = _doc_starts(doc_ids)
     if all(s == starts[0] for s in starts):
         return [(slice(None), starts[0])]
     return [(slice(b, b + 1), s) for b, s in enumerate(starts)]
