@@ -105,10 +105,13 @@ def sdpa_args(node: fx.Node) -> dict:
             "scale": scale,
             "enable_gqa": True,
             "key_valid": key_valid,
+            "window": node.kwargs.get("window"),
+            "doc_ids": node.kwargs.get("doc_ids"),
+            "dense_mask": node.kwargs.get("dense_mask"),
         }
     defaults = (None, None, None, None, 0.0, False, None, False)
     out = {name: arg(node, i, name, d) for i, (name, d) in enumerate(zip(SDPA_ARGS, defaults))}
-    out["key_valid"] = None
+    out["key_valid"] = out["window"] = out["doc_ids"] = out["dense_mask"] = None
     return out
 
 

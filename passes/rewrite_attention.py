@@ -544,7 +544,9 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 env_primary, kv_primary = env, (k_full, v_full)
             if kind == "zigzag_causal":
                 att = g.call_function(
-                    causal_attention, (q_r, k_full, v_full, key_valid, float(scale), rank, D)
+                    causal_attention,
+                    (q_r, k_full, v_full, key_valid, float(scale), rank, D),
+                    dict(attention.kwargs),  # window, document ids, an explicit mask
                 )
             elif kind == "sdpa_masked_rows":
                 att = g.call_function(

@@ -53,8 +53,12 @@ class ShardInputs:
         full = self.info.inputs[self._index[param]].example
         shard = STORE.example_shard(full, spec)
         graph = self.gm.graph
-        first = next(n for n in graph.nodes if n.op != "placeholder")
-        with graph.inserting_before(first):
+        # After the last placeholder: the runtime passes the shards after the original inputs,
+        # and another pass may already have put a node between two placeholders (the sequence
+        # pass cuts an input's local rows right after it), so "before the first other node"
+        # could land among the original inputs and misalign every later one.
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last):
             node = graph.placeholder(name)
         node.meta["tspc_shard_of"] = param.name  # its value is set by the next propagation
         self.items.append(ShardInput(self._index[param], spec, node, shard))

@@ -1131,12 +1131,17 @@ class _Propagator:
         elif a["is_causal"]:
             # causal attention of the local zigzag queries: no mask tensor at all
             scale = a["scale"] if a["scale"] is not None else default_scale(shape(q)[-1])
-            key_valid = a["key_valid"]
+            key_valid, doc_ids = a["key_valid"], a["doc_ids"]
             if isinstance(key_valid, fx.Node) and isinstance(self.L(key_valid), Sharded):
                 if key_valid.meta.get("tspc_role") == "seq_slice":
                     key_valid = key_valid.args[0]  # the replicated [B, S] it was cut from
                 else:
                     key_valid = self.gather(key_valid, node, "key padding needs every key")
+            if isinstance(doc_ids, fx.Node) and isinstance(self.L(doc_ids), Sharded):
+                if doc_ids.meta.get("tspc_role") == "seq_slice":
+                    doc_ids = doc_ids.args[0]
+                else:
+                    doc_ids = self.gather(doc_ids, node, "document ids of every key")
             node.target = causal_attention
             node.args = (
                 self._arg_now(node, 0, "query"),
@@ -1147,7 +1152,11 @@ class _Propagator:
                 self.rank,
                 self.D,
             )
-            node.kwargs = {}
+            node.kwargs = {
+                "window": a["window"],
+                "doc_ids": doc_ids,
+                "dense_mask": a["dense_mask"],  # an explicit mask input: whole, replicated
+            }
         else:
             # No mask, not causal: every query sees every key; local queries need nothing else.
             pass

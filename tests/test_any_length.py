@@ -390,11 +390,12 @@ def mistral_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 def test_mistral_default_config_runs_tsp():
     """The default sliding window (4096) is wider than the sequence: plain causal attention,
     on the TSP schedules (it used to fail the pipeline and fall back to 'sp'). Also 31 tokens
-    (padded), and a window narrower than the sequence, which is kept exact (not strict)."""
+    (padded), and a window narrower than the sequence (the zigzag kernel's sliding window,
+    with the KV cache on: see tests/test_masks.py for the rest)."""
     cases = [
         {"seq": 32, "strict": True},
         {"seq": 31, "strict": True},
-        {"seq": 13, "strict": False, "config": {"sliding_window": 5}},
+        {"seq": 13, "strict": True, "config": {"sliding_window": 5}},
     ]
     for per_rank in spawn(mistral_worker, 2, cases, timeout=900):
         for r in per_rank:

@@ -73,6 +73,39 @@ class TSPCompileError(RuntimeError):
     """The passes could not handle the model and ``strict`` was requested."""
 
 
+class ReleasedWeightsNeededError(TSPCompileError):
+    """A graph compiled after tspc released the full weights of sharded parameters would read
+    one of them whole (a fallback level, or a use the schedules do not cover): it cannot run."""
+
+
+def _check_released_inputs(
+    gm: fx.GraphModule,
+    result: PipelineResult,
+    example_inputs: list[Any],
+    errors: list[str],
+    graph_id: int,
+) -> None:
+    """Raise before compiling a graph that reads a released full weight: running it would read
+    freed storage (``setStorage ... out of bounds for storage of size 0``)."""
+    placeholders = [n for n in result.gm.graph.nodes if n.op == "placeholder"]
+    needed = []
+    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
+        entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
+        if entry is not None and entry.released and node.users:
+            needed.append(i)
+    if not needed:
+        return
+    info = analyse(gm, example_inputs)  # Dynamo's graph: its placeholders are the inputs
+    needed = [info.inputs[i].fqn or placeholders[i].name for i in needed]
+    why = "; ".join(errors) if errors else "the graph reads them whole"
+    raise ReleasedWeightsNeededError(
+        f"tspc: graph {graph_id} ran the '{result.report.level}' pipeline ({why}), which needs "
+        f"the whole weights {', '.join(needed)}; an earlier graph sharded them and released the "
+        "full tensors, so this graph cannot run. Compile with options={'schedules': 'sp'} (no "
+        "weight sharding) for inputs like these, or report the failure above."
+    )
+
+
 def _gc_paused(fn: Callable) -> Callable:
     """Run ``fn`` with Python's cyclic garbage collector paused.
 
@@ -120,6 +153,7 @@ def _compile_static(
     assert result is not None
     report = result.report
     report.fallbacks = errors
+    _check_released_inputs(gm, result, example_inputs, errors, graph_id)
     if opts.strict:
         skipped = report.skipped
         if skipped:

@@ -160,16 +160,18 @@ def attention_kernel_ops(gms: Iterable[torch.fx.GraphModule]) -> dict[str, set]:
             valid = rest[0] if rest else n.kwargs.get("key_valid")
             if isinstance(valid, torch.fx.Node):
                 valid = valid.meta.get("val")
+            # documents only decide which blocks run (data, read on the host), not the kernels
+            window = rest[1] if len(rest) > 1 else n.kwargs.get("window")
             mode = fake_tensor_mode(allow_non_fake_inputs=True)
             q, k, v, valid = (_fake_like(mode, t) for t in (q, k, v, valid))
             with mode, torch.no_grad():
                 rec = _OpRecorder()
                 with rec:
-                    o, lse = zz._forward(q, k, v, rank, world, scale, valid)
+                    o, lse = zz._forward(q, k, v, rank, world, scale, valid, window)
                 out["forward"] |= rec.ops
                 rec = _OpRecorder()
                 with rec:
-                    zz._attention_backward(o, q, k, v, o, lse, rank, world, scale, valid)
+                    zz._attention_backward(o, q, k, v, o, lse, rank, world, scale, valid, window)
                 out["backward"] |= rec.ops
     return out
 

@@ -495,6 +495,14 @@ def summary_text(data: dict) -> str:
     compile_report = data["compile_report"]
     for f in compile_report.get("fallbacks", []):
         lines.append(f"  fallback: {f}")
+    # what each attention mask ran as, one line per distinct meaning (layers alike collapse)
+    masks: dict[tuple, list[str]] = {}
+    for m in compile_report.get("masks", []):
+        key = (m.get("recognised"), m.get("kind", "?"), m.get("detail", ""))
+        masks.setdefault(key, []).append(m.get("module") or m.get("sdpa") or "?")
+    for (recognised, kind, detail), where in masks.items():
+        state = kind if recognised else "not recognised (each rank cuts its mask rows)"
+        lines.append(f"  mask {state} x{len(where)} (first {where[0]}): {detail}")
     # where the sequence had to be gathered, and the passes' notes: what a mismatch hunt needs
     extra = [
         f"gather {g.get('value')} for {g.get('op')}: {g.get('reason')}"

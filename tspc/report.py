@@ -35,7 +35,10 @@ class CompileReport:
     entries: list[ModuleEntry] = field(default_factory=list)
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
     gathers: list[dict] = field(default_factory=list)
-    masks: list[dict] = field(default_factory=list)  # what each explicit attention mask meant
+    # what each explicit attention mask meant (classify_mask.MaskReport): recognised, kind
+    # ("causal", "sliding_window", "documents", "sliding_window+documents", or "dense_rows"),
+    # window, documents (where the ids came from), detail
+    masks: list[dict] = field(default_factory=list)
     predicted_recv_bytes: dict[str, int] = field(default_factory=dict)  # per module
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -74,7 +77,11 @@ class CompileReport:
             extra = f" ({e.reason})" if e.reason else ""
             lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")
         for m in self.masks:
-            state = "recognised" if m["recognised"] else "not recognised"
+            # what ran: causal / sliding_window / documents (the zigzag kernel), or each rank's
+            # rows of the mask ("not recognised")
+            state = (
+                f"recognised as {m.get('kind', 'causal')}" if m["recognised"] else "not recognised"
+            )
             lines.append(f"  mask ({m['module'] or m['sdpa']}): {state}: {m['detail']}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")

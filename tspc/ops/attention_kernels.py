@@ -191,19 +191,25 @@ def _member(x: torch.Tensor, kv_heads: int, j: int) -> torch.Tensor:
     return x.view(b, kv_heads, hq // kv_heads, *x.shape[2:])[:, :, j]
 
 
+def _bias_per_key(bias) -> bool:
+    """No bias, or one that is the same for every query row (it survives folding the query
+    heads into the rows); a band's ``[., 1, M, L]`` mask does not."""
+    return bias is None or bias.shape[-2] == 1
+
+
 def block_forward(q, k, v, *, causal: bool, bias, scale: float):
     """Attention of q [B, Hq, M, d] over k, v [B, Hkv, L, d] (Hkv divides Hq; causal blocks are
-    square); ``bias`` None or additive ``[B, 1, 1, L]`` in q's dtype. Returns (output
-    [B, Hq, M, d], log-sum-exp [B, Hq, M] fp32)."""
+    square); ``bias`` None or additive ``[B|1, 1, 1|M, L]`` in q's dtype (key padding, a band's
+    mask). Returns (output [B, Hq, M, d], log-sum-exp [B, Hq, M] fp32)."""
     kernel = choose_kernel(q.device, q.dtype, q.shape[-1], bias is not None)
     hq, hk = q.shape[1], k.shape[1]
     if hq == hk or _native_gqa(kernel) or kernel == "math":
         return _forward_same_heads(kernel, q, k, v, causal, bias, scale)
-    if not causal:
+    if not causal and _bias_per_key(bias):
         o, lse = _forward_same_heads(kernel, _fold(q, hk), k, v, False, bias, scale)
         return _unfold(o, hq), _unfold(lse, hq)
     parts = [
-        _forward_same_heads(kernel, _member(q, hk, j), k, v, True, bias, scale)
+        _forward_same_heads(kernel, _member(q, hk, j), k, v, causal, bias, scale)
         for j in range(hq // hk)
     ]
     o = torch.stack([p[0] for p in parts], 2).flatten(1, 2)
@@ -218,7 +224,7 @@ def block_backward(go, q, k, v, out, lse, *, causal: bool, bias, scale: float):
     hq, hk = q.shape[1], k.shape[1]
     if hq == hk or _native_gqa(kernel) or kernel == "math":
         return _backward_same_heads(kernel, go, q, k, v, out, lse, causal, bias, scale)
-    if not causal:
+    if not causal and _bias_per_key(bias):
         f = lambda x: _fold(x, hk)  # noqa: E731
         dq, dk, dv = _backward_same_heads(
             kernel, f(go), f(q), k, v, f(out), f(lse), False, bias, scale
@@ -228,7 +234,7 @@ def block_backward(go, q, k, v, out, lse, *, causal: bool, bias, scale: float):
     for j in range(hq // hk):
         go_j, q_j, out_j, lse_j = (_member(x, hk, j) for x in (go, q, out, lse))
         dq_j, dk_j, dv_j = _backward_same_heads(
-            kernel, go_j, q_j, k, v, out_j, lse_j, True, bias, scale
+            kernel, go_j, q_j, k, v, out_j, lse_j, causal, bias, scale
         )
         dqs.append(dq_j)
         dk = dk_j if dk is None else dk + dk_j
