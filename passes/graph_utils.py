@@ -120,8 +120,11 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
             if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node)
         ]
     name = getattr(t, "__name__", "")
-    if name.endswith("_") and not name.startswith("_") and first is not None:
-        return [first]
+    # torch.relu_(x) and the like; operator.and_/or_/not_ only carry the underscore because
+    # "and" is a keyword
+    in_module_operator = getattr(t, "__module__", None) in ("_operator", "operator")
+    if name.endswith("_") and not name.startswith("_") and not in_module_operator:
+        return [first] if first is not None else []
     return []
 
 

@@ -43,7 +43,8 @@ def test_mutated_args_of_each_in_place_form():
         b = x.clone()
         b += 1
         c = torch.ops.aten.add_.Tensor(x.clone(), 1)
-        return a, b, c
+        d = (x > 0) & (x < 1)  # operator.and_: not in place
+        return a, b, c, d
 
     gm, _ = capture(f, torch.randn(4), torch.tensor([1]), torch.tensor([2.0]))
     writes = [n for n in gm.graph.nodes if mutated_args(n)]
