@@ -57,7 +57,7 @@ from .layout import (
     map_view,
     rewrite_sizes,
 )
-from .match_attention import AttentionMatch, Projection, Skip
+from .match_attention import AttentionMatch, Projection, Skip, projection_input
 from .shard_inputs import ShardInputs
 from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, sdpa_local_queries
 
@@ -171,7 +171,7 @@ class _HeadPlan:
             if name == "t":
                 return map_transpose(n, 0, 1, sh) if n == 2 else sh
             return map_transpose(n, arg(node, 1, "dim0"), arg(node, 2, "dim1"), sh)
-        if name == "expand":
+        if name in ("expand", "broadcast_to"):
             sh = self.layout[x]
             out = map_broadcast(len(shape(x)), len(shape(node)), sh)
             self._plan_sizes(node, out)
@@ -229,6 +229,17 @@ class _HeadPlan:
                 if t not in self.layout and tv is not None and tv.numel():
                     raise _NotHeadLocal(f"'{node.name}' mixes in a value from outside the region")
             return sh
+        if name == "stack":
+            # A new dim inserted into values of one head layout (RoPE by rotate-every-two:
+            # ``stack((-x2, x1), -1).flatten(-2)``): heads stay where they were, one further
+            # along when the new dim comes before them.
+            tensors = list(arg(node, 0, "tensors"))
+            lays = {self.layout.get(t) for t in tensors}
+            if None in lays or len(lays) != 1:
+                raise _NotHeadLocal(f"'{node.name}' stacks values with different head layouts")
+            sh = next(iter(lays))
+            dim = arg(node, 1, "dim", 0) % len(shape(node))
+            return sh.with_dim(sh.dim + 1) if dim <= sh.dim else sh
         if name == "linear":
             sh = self.layout[x]
             if sh.dim == len(shape(x)) - 1:
@@ -317,6 +328,42 @@ def _region(sources: list[fx.Node], sinks: list[fx.Node]) -> list[fx.Node]:
     return sorted(nodes, key=order.__getitem__)
 
 
+def _unit_counts(p: Projection, head_dim: int, world: int) -> list[int]:
+    """Head-group units a fused projection serving q, k and v may be cut into, most first.
+
+    Its rows are counted in q heads at first; a layout that groups rows otherwise (Falcon's
+    ``new_decoder_architecture``: per KV group, its q heads then one k and one v head) is cut
+    at the coarser units its reshapes keep whole. Only counts every rank can get a share of."""
+    widths = p.rows // head_dim
+    return [
+        n
+        for n in range(min(p.n_heads, widths), 0, -1)
+        if widths % n == 0 and n % world == 0 and p.rows % n == 0
+    ]
+
+
+def _plan_heads(m, D, attention, region, sources, projections) -> _HeadPlan:
+    shared = [p for p in projections if p.key() == m.q.key() == m.k.key() == m.v.key()]
+    if not shared:
+        plan = _HeadPlan(m, D, attention)
+        plan.plan_pre(region, sources)
+        return plan
+    (p,) = shared
+    first_error = None
+    for n in _unit_counts(p, m.head_dim, D) or [p.n_heads]:
+        p.n_heads = n
+        plan = _HeadPlan(m, D, attention)
+        try:
+            plan.plan_pre(region, sources)
+            return plan
+        except _NotHeadLocal as e:
+            first_error = first_error or e
+    raise _NotHeadLocal(
+        f"{first_error} (the fused q/k/v projection was also tried in every coarser grouping "
+        f"of its rows that {D} ranks can share)"
+    )
+
+
 def _post_chain(attention: fx.Node, o_linear: fx.Node) -> list[fx.Node]:
     chain = []
     node = attention
@@ -403,8 +450,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     q_in = arg(attention, 0, "query")
     region = _region(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
-    plan = _HeadPlan(m, D, attention)
-    plan.plan_pre(region, sources)
+    plan = _plan_heads(m, D, attention, region, sources, projections)
     post = _post_chain(attention, m.o_linear)
     plan.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
@@ -430,11 +476,12 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             if p in replicated_kv or (shared_kv and kv_only(p) and not primary(r)):
                 continue
             a, b = _head_rows(p, r, D)
-            out.append((f"p{i}_w", p.weight, ShardSpec(0, a, b)))
+            out.append((f"p{i}_w", p.weight, ShardSpec(p.feature_dim, a, b)))
             if p.bias is not None:
                 out.append((f"p{i}_b", p.bias, ShardSpec(0, a, b)))
         hq_l = m.q_heads // D
-        out.append(("o_w", m.o_weight, ShardSpec(1, r * hq_l * d, (r + 1) * hq_l * d)))
+        o_in_dim = 0 if m.o_transposed else 1  # the weight dim of the heads' features
+        out.append(("o_w", m.o_weight, ShardSpec(o_in_dim, r * hq_l * d, (r + 1) * hq_l * d)))
         return out
 
     def comp_shape(pnode: fx.Node, spec: ShardSpec) -> tuple[int, ...]:
@@ -526,7 +573,9 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                     p = sources[node]
                     i = projections.index(p)
                     env[node] = g.call_function(
-                        F.linear, (p.linear.args[0], ws[f"p{i}_w"], ws.get(f"p{i}_b"))
+                        F.linear,
+                        (projection_input(p), _as_out_in(g, ws[f"p{i}_w"], p.transposed)),
+                        {"bias": ws.get(f"p{i}_b")},
                     )
                 else:
                     env[node] = _clone(g, node, env, plan, r, D)
@@ -566,12 +615,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             env[attention] = att
             for node in post:
                 env[node] = _clone(g, node, env, plan, r, D)
-            part = g.call_function(F.linear, (env[post[-1]] if post else att, ws["o_w"]))
+            o_w = _as_out_in(g, ws["o_w"], m.o_transposed)
+            part = g.call_function(F.linear, (env[post[-1]] if post else att, o_w))
             part.meta["tspc_role"] = "partial_output"
             acc = part if acc is None else g.call_function(torch.add, (acc, part))
             for n in escapes:
                 escapes[n].append(env[n])
-        o_bias = arg(m.o_linear, 2, "bias")
+        o_bias = m.o_proj.current_bias()
         out = g.call_function(torch.add, (acc, o_bias)) if o_bias is not None else acc
         for n, per_step in escapes.items():
             # A value the rest of the graph also uses (a KV cache output, say): the groups'
@@ -615,10 +665,16 @@ def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[s
     for p in replicated:
         i = projections.index(p)
         a, b = _head_rows(p, r, D)
-        out[f"p{i}_w"] = g.call_function(torch.narrow, (as_used(p.weight), 0, a, b - a))
+        out[f"p{i}_w"] = g.call_function(torch.narrow, (as_used(p.weight), p.feature_dim, a, b - a))
         if p.bias is not None:
             out[f"p{i}_b"] = g.call_function(torch.narrow, (as_used(p.bias), 0, a, b - a))
     return out
+
+
+def _as_out_in(g, w: fx.Node, transposed: bool) -> fx.Node:
+    """A weight slice as ``F.linear`` takes it (``[out, in]``): a Conv1D's ``[in, out]`` is
+    transposed (a view; ``linear`` then runs the same ``addmm`` as the Conv1D did)."""
+    return g.call_function(torch.t, (w,)) if transposed else w
 
 
 def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[str, fx.Node]:

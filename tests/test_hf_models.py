@@ -35,9 +35,29 @@ FAMILIES = {
     "gemma": ({"head_dim": 16}, True),  # scaled embeddings, GELU-tanh, tied embeddings
     "qwen3": ({"head_dim": 16}, True),  # q/k RMSNorm inside attention
     "gpt_neox": ({"rotary_pct": 0.5}, True),  # interleaved fused qkv, partial rotary, GELU MLP
-    # Conv1D (addmm) projections, hand-written tanh GELU, biases. Its fused Conv1D attention
-    # is not matched yet (reported as skipped); its MLP runs the ring.
-    "gpt2": ({"n_inner": 128, "bos_token_id": 1, "eos_token_id": 2}, False),
+    # Conv1D (addmm) projections: fused c_attn [h, 3h] split along its last dim, biases,
+    # hand-written tanh GELU
+    "gpt2": ({"n_inner": 128, "bos_token_id": 1, "eos_token_id": 2}, True),
+    # RoPE by rotate-every-two (stack + flatten), partial rotary, parallel attention + MLP
+    "gptj": ({"rotary_dim": 8, "n_inner": 128, "bos_token_id": 1, "eos_token_id": 2}, True),
+    # the same, with q/v/k fused in mp_num = 4 blocks of the qkv projection
+    "codegen": ({"rotary_dim": 8, "n_inner": 128, "bos_token_id": 1, "eos_token_id": 2}, True),
+    # rotate-every-two RoPE, parallel attention + MLP, LayerNorm without bias
+    "cohere": ({"bos_token_id": 1, "eos_token_id": 2}, True),
+    # x @ W.T projections, fused qkv grouped per KV head (q heads, k, v), K/V expanded with
+    # broadcast_to before RoPE, parallel attention + MLP
+    "falcon": (
+        {
+            "new_decoder_architecture": True,
+            "num_attention_heads": 8,
+            "num_kv_heads": 4,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        True,
+    ),
+    # fused-free q/k/v with biases, partial rotary, parallel attention + MLP
+    "phi": ({"bos_token_id": 1, "eos_token_id": 2}, True),
 }
 
 
@@ -156,9 +176,23 @@ def test_other_families_match_one_process(world):
     _check(spawn(hf_worker, world, CASES_OTHERS, timeout=900), world)
 
 
+CASES_PROJECTIONS = [
+    ("gpt2", "sdpa", "left"),
+    ("gptj", "sdpa", "none"),
+    ("codegen", "eager", "right"),
+    ("cohere", "sdpa", "left"),
+    ("falcon", "sdpa", "none"),
+    ("phi", "sdpa", "left"),
+    ("gpt_neox", "eager", "none"),  # parallel residual (the default)
+]
+
+
 @pytest.mark.slow
-def test_gpt2_conv1d_mlps_run_the_ring():
-    _check(spawn(hf_worker, 2, [("gpt2", "sdpa", "none")], timeout=600), 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_projection_forms_match_one_process(world):
+    """Conv1D, fused, grouped and interleaved QKV layouts, rotate-every-two RoPE and parallel
+    attention + MLP blocks: every attention and MLP matched, outputs and bytes as predicted."""
+    _check(spawn(hf_worker, world, CASES_PROJECTIONS, timeout=900), world)
 
 
 def hf_train_worker(rank: int, world: int, attn: str) -> dict:
