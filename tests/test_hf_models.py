@@ -195,18 +195,25 @@ def test_attention_projection_forms_match_one_process(world):
     _check(spawn(hf_worker, world, CASES_PROJECTIONS, timeout=900), world)
 
 
-def hf_train_worker(rank: int, world: int, attn: str) -> dict:
-    """Llama with labels and left padding: gradients of every parameter against one process."""
+def hf_train_worker(rank: int, world: int, attn: str, family: str = "llama") -> dict:
+    """A family with labels and left padding: gradients of every parameter against one
+    process; then the state dict (full values of every DTensor) and one optimizer step."""
+    from torch.distributed.tensor import DTensor
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tspc
 
-    cfg = AutoConfig.for_model("llama", **SMALL)
+    overrides = FAMILIES[family][0] if family != "llama" else {}
+    no_dropout = {k: 0.0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    cfg = AutoConfig.for_model(family, **{**SMALL, **overrides, **no_dropout})
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg).train()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).train()
+    for m in (ref, model):
+        if getattr(m, "loss_type", None) is None:  # GPT2LMHeadModel: see hf_worker
+            m.loss_type = "ForCausalLM"
     b, s = 2, 16
     ids = torch.randint(1, 128, (b, s), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(b, s, dtype=torch.long)
@@ -220,10 +227,36 @@ def hf_train_worker(rank: int, world: int, attn: str) -> dict:
     loss = compiled(**kwargs).loss
     loss.backward()
     err, _ = grad_error(ref, model)
+    placements = {
+        n: (
+            type(p.placements[0]).__name__,
+            getattr(p.placements[0], "dim", None),
+            getattr(p.placements[0], "split_factor", None),
+        )
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    state_err = max(
+        (v.full_tensor() if isinstance(v, DTensor) else v).sub(sd_ref[k]).abs().max().item()
+        for k, v in sd.items()
+    )
+    step_err = 0.0
+    if family != "llama":
+        # SGD: the step is linear in the gradient, so it shows the gradient's error only
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+        for o in opts:
+            o.step()
+        for p_ref, p in zip(ref.parameters(), model.parameters()):
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            step_err = max(step_err, (full - p_ref).abs().max().item())
     return {
         "loss_err": abs(loss.item() - loss_ref.item()),
         "grad_err": err,
         "matched": len(tspc.last_report().matched),
+        "placements": placements,
+        "state_err": state_err,
+        "step_err": step_err,
     }
 
 
@@ -234,6 +267,25 @@ def test_llama_gradients_with_labels_and_padding_match_one_process(world):
         for r in spawn(hf_train_worker, world, attn, timeout=900):
             assert r["matched"] == 4, r
             assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_gpt2_conv1d_training_step_matches_one_process():
+    """GPT-2's fused Conv1D c_attn ([h, 3h], q/k/v side by side in its columns) is held as
+    ``_StridedShard(1, 3)``: this rank's columns of each of q, k and v; c_proj ([h, h], heads'
+    features in its rows) as ``Shard(0)``. Gradients, the state dict and an SGD step equal one
+    process."""
+    for r in spawn(hf_train_worker, 2, "sdpa", "gpt2", timeout=600):
+        assert r["matched"] == 4, r
+        assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+        assert r["state_err"] == 0.0 and r["step_err"] < 1e-6, r
+        pl = r["placements"]
+        for layer in (0, 1):
+            h = f"transformer.h.{layer}"
+            assert pl[f"{h}.attn.c_attn.weight"] == ("_StridedShard", 1, 3), pl
+            assert pl[f"{h}.attn.c_attn.bias"] == ("_StridedShard", 0, 3), pl
+            assert pl[f"{h}.attn.c_proj.weight"] == ("Shard", 0, None), pl
+            assert pl[f"{h}.attn.c_proj.bias"] == ("Replicate", None, None), pl
 
 
 def test_strict_turns_a_skip_into_an_error_naming_the_module(fake_group):
