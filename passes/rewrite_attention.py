@@ -55,6 +55,7 @@ from .layout import (
     map_reduce,
     map_transpose,
     map_view,
+    reduced_dims,
     rewrite_sizes,
 )
 from .match_attention import AttentionMatch, Projection, Skip, projection_input
@@ -71,6 +72,10 @@ class _NotHeadLocal(Exception):
 
 
 WHOLE = "whole"  # a value every head group uses unchanged (a single shared KV head)
+# A value computed from every head group together and then used by each (OLMo-2's q/k RMSNorm
+# statistics: a mean over all heads' features). Computed once, between two sweeps over the
+# head groups: the first projects and sums each group's part, the second uses the total.
+REDUCED = "reduced"
 
 
 @dataclass
@@ -111,11 +116,16 @@ class _HeadPlan:
         self.sizes: dict[fx.Node, tuple] = {}  # node -> (arg index or kw name, new sizes)
         self.outside_slices: dict[tuple[fx.Node, fx.Node], tuple[int, Sharded]] = {}
         self.attention = attention_node
+        # reductions over the head dim (sum/mean), by node: each becomes a sum of per-group
+        # partial sums; only before the attention (the keys must be final when gathered)
+        self.cross: dict[fx.Node, str] = {}
+        self.allow_cross = False
 
     def sharded(self, n_heads: int, unit: int, dim: int) -> Sharded:
         return Sharded(dim, n_heads, _local_heads(n_heads, self.world), 1, unit)
 
     def plan_pre(self, region: list[fx.Node], sources: dict[fx.Node, Projection]) -> None:
+        self.allow_cross = True
         for node in region:
             if node in sources:
                 p = sources[node]
@@ -128,6 +138,7 @@ class _HeadPlan:
             self.layout[node] = self._propagate(node, region)
 
     def plan_post(self, chain: list[fx.Node]) -> None:
+        self.allow_cross = False
         m = self.m
         q_dim = len(shape(self.attention)) - 3
         self.layout[self.attention] = self.sharded(m.q_heads, 1, q_dim)
@@ -139,6 +150,15 @@ class _HeadPlan:
         ins = [i for i in tensor_inputs(node, include_tuples=True) if i in self.layout]
         if not ins:
             raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
+        reduced = [i for i in ins if self.layout[i] is REDUCED]
+        if reduced:
+            if name not in ELEMENTWISE and name not in _KEEP:
+                raise _NotHeadLocal(
+                    f"'{node.name}' ({name}) uses a statistic over all heads in a way only "
+                    "elementwise ops are known to allow"
+                )
+            if len(reduced) == len(ins):
+                return REDUCED  # computed once, from the totals
         whole = [i for i in ins if self.layout[i] is WHOLE]
         if whole:
             if len(whole) != len(ins):
@@ -206,6 +226,11 @@ class _HeadPlan:
             keep = len(shape(node)) == ndim
             out = map_reduce(ndim, dims, keep, sh)
             if out is None:
+                if self.allow_cross and name in ("mean", "sum") and len(node.args) <= 3:
+                    if not node.kwargs.keys() <= {"dim", "keepdim"}:
+                        raise _NotHeadLocal(f"'{node.name}' ({name}) reduces across heads")
+                    self.cross[node] = name
+                    return REDUCED
                 raise _NotHeadLocal(f"'{node.name}' ({name}) reduces across heads")
             return out
         if name == "cat":
@@ -255,19 +280,20 @@ class _HeadPlan:
                 parts = parts[:1]
             target = None
             for p in parts:
-                if p in self.layout:
+                if p in self.layout and self.layout[p] is not REDUCED:
                     mapped = map_broadcast(len(shape(p)), out_ndim, self.layout[p])
                     if target is not None and mapped != target:
                         raise _NotHeadLocal(f"'{node.name}' combines differently split heads")
                     target = mapped
             for p in parts:
-                if p in self.layout:
+                if p in self.layout and self.layout[p] is not REDUCED:
                     continue
                 ps = shape(p)
                 a = target.dim - (out_ndim - len(ps))
                 if a >= 0 and ps[a] != 1:
-                    if target.inner != 1 or ps[a] != shape(node)[target.dim]:
+                    if p in self.layout or (target.outer != 1 or ps[a] != shape(node)[target.dim]):
                         raise _NotHeadLocal(f"'{node.name}' broadcasts a value across heads")
+                    # a per-feature operand (a norm weight over all heads): the group's part
                     self.outside_slices[(node, p)] = (a, target)
             return target
         raise _NotHeadLocal(f"'{node.name}' ({name or node.op}) is not known to be head-local")
@@ -404,6 +430,18 @@ def rewrite_attention(
         return Skip("attention", match.module, f"not head-local: {e}")
 
 
+def _descendants_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(u for u in n.users if u in region)
+    return seen
+
+
 def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
     seen: set[fx.Node] = set()
     stack = [n for n in nodes if n in region]
@@ -451,6 +489,12 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     region = _region(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
     plan = _plan_heads(m, D, attention, region, sources, projections)
+    if plan.cross and shared_kv:
+        raise _NotHeadLocal(
+            f"'{next(iter(plan.cross)).name}' reduces across heads, and {m.kv_heads} KV heads "
+            f"on {D} ranks share heads between groups: the two-sweep schedule needs KV heads "
+            "divisible by D"
+        )
     post = _post_chain(attention, m.o_linear)
     plan.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
@@ -492,10 +536,21 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     step_comps = [components(r) for r in range(D)]
     step_shapes = [[comp_shape(pn, sp) for _, pn, sp in c] for c in step_comps]
     step_numel = [sum(math.prod(s) for s in shapes) for shapes in step_shapes]
+    # With statistics over all heads (plan.cross) the layer sweeps the head groups twice:
+    # the first sweep's broadcasts carry the Q/K/V slices, the second's the O slice. Every
+    # weight still moves once; each rank keeps its own tokens' projections of every group
+    # between the sweeps (the activations one process keeps for its backward anyway).
+    sweeps = [lambda name: name != "o_w", lambda name: name == "o_w"] if plan.cross else [None]
+
+    def sweep_part(r: int, k: int) -> tuple[list, list, int]:
+        keep = sweeps[k]
+        idx = [i for i, (name, _, _) in enumerate(step_comps[r]) if keep is None or keep(name)]
+        shapes = [step_shapes[r][i] for i in idx]
+        return [step_comps[r][i] for i in idx], shapes, sum(math.prod(x) for x in shapes)
 
     order = {n: i for i, n in enumerate(g.nodes)}
     first_use = min(region + [m.o_linear], key=order.__getitem__)
-    pack_node = None
+    pack_nodes: list[fx.Node | None] = [None] * len(sweeps)
     shard_numel = 0
     if D > 1:
         # every rank's slices of each parameter: the pack of step r is rank r's
@@ -506,12 +561,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         for pnode, layout in layouts.items():
             shards.declare(pnode, layout)
         with g.inserting_before(first_use):
-            shard_nodes = []
-            for cname, pnode, spec in step_comps[rank]:
-                node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
-                shard_numel += math.prod(comp_shape(pnode, spec))
-                shard_nodes.append(node)
-            pack_node = g.call_function(pack, (shard_nodes,))
+            for k in range(len(sweeps)):
+                shard_nodes = []
+                for cname, pnode, spec in sweep_part(rank, k)[0]:
+                    node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
+                    shard_numel += math.prod(comp_shape(pnode, spec))
+                    shard_nodes.append(node)
+                pack_nodes[k] = g.call_function(pack, (shard_nodes,))
 
     tag = m.module
     n_kv_groups = m.kv_heads if shared_kv else D
@@ -522,8 +578,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     )
     ret = AttentionRewrite(
         module=m.module,
-        steps=D,
-        broadcasts=D if D > 1 else 0,
+        steps=D * len(sweeps),
+        broadcasts=D * len(sweeps) if D > 1 else 0,
         kv_gathers=2 * n_kv_groups if D > 1 else 0,
         local_heads=m.q_heads // D,
         local_kv_heads=_local_heads(m.kv_heads, D),
@@ -536,6 +592,14 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         if D > 1
         else 0,
     )
+    if plan.cross:
+        ret.notes.append(
+            "statistics over all heads ("
+            + ", ".join(f"'{n.name}' ({kind_})" for n, kind_ in plan.cross.items())
+            + f") before the attention: two sweeps over the {D} head groups, Q/K/V slices "
+            "broadcast in the first, O in the second (every weight moves once); each rank "
+            "keeps its tokens' projections of all head groups between them"
+        )
     if replicated_kv and D > 1:
         ret.notes.append(
             f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
@@ -557,28 +621,68 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     env_primary: dict[fx.Node, fx.Node] = {}
     kv_primary: tuple[fx.Node, fx.Node] | None = None
     gqa = m.kv_heads != m.q_heads
+    reduced = {n for n in region if plan.layout.get(n) is REDUCED}
+    after_stats = _descendants_within(list(reduced), region_only) - reduced
+    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(D)]
+
+    def weights(r: int, k: int) -> dict[str, fx.Node]:
+        comps, shapes, numel = sweep_part(r, k)
+        return _step_weights(g, r, D, group, tag, pack_nodes[k], comps, shapes, numel)
+
+    def project(r: int, ws: dict[str, fx.Node], nodes: list[fx.Node]) -> None:
+        """Head group r's copies of ``nodes`` (region nodes, in graph order)."""
+        env = envs[r]
+        reuse = shared_kv and not primary(r)
+        if not reuse:
+            ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
+        for node in nodes:
+            if reuse and node in kv_nodes:
+                env[node] = env_primary[node]
+            elif node in sources:
+                p = sources[node]
+                i = projections.index(p)
+                env[node] = g.call_function(
+                    F.linear,
+                    (projection_input(p), _as_out_in(g, ws[f"p{i}_w"], p.transposed)),
+                    {"bias": ws.get(f"p{i}_b")},
+                )
+            else:
+                env[node] = _clone(g, node, env, plan, r, D)
+
     with g.inserting_before(m.o_linear):
-        for r in range(D):
-            env: dict[fx.Node, fx.Node] = {}
-            ws = _step_weights(
-                g, r, D, group, tag, pack_node, step_comps[r], step_shapes[r], step_numel[r]
-            )
-            reuse = shared_kv and not primary(r)
-            if not reuse:
-                ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
-            for node in region:
-                if reuse and node in kv_nodes:
-                    env[node] = env_primary[node]
-                elif node in sources:
-                    p = sources[node]
-                    i = projections.index(p)
-                    env[node] = g.call_function(
-                        F.linear,
-                        (projection_input(p), _as_out_in(g, ws[f"p{i}_w"], p.transposed)),
-                        {"bias": ws.get(f"p{i}_b")},
+        if plan.cross:
+            # sweep 1: every group's projections; the statistics summed over the groups
+            pre = [n for n in region if n not in reduced and n not in after_stats]
+            totals: dict[fx.Node, fx.Node] = {}
+            for r in range(D):
+                project(r, weights(r, 0), pre)
+                for c in plan.cross:
+                    dims, keep = arg(c, 1, "dim"), arg(c, 2, "keepdim", False)
+                    part = g.call_function(torch.sum, (envs[r][c.args[0]], dims, keep))
+                    totals[c] = (
+                        part if c not in totals else g.call_function(torch.add, (totals[c], part))
                     )
-                else:
-                    env[node] = _clone(g, node, env, plan, r, D)
+            stats: dict[fx.Node, fx.Node] = {}
+            for c, kind_ in plan.cross.items():
+                stats[c] = totals[c]
+                if kind_ == "mean":
+                    x_shape = shape(c.args[0])
+                    count = math.prod(
+                        x_shape[i] for i in reduced_dims(len(x_shape), arg(c, 1, "dim"))
+                    )
+                    stats[c] = g.call_function(torch.div, (totals[c], count))
+            for n in region:
+                if n in reduced and n not in stats:
+                    stats[n] = _clone(g, n, stats, plan, 0, D)
+            rest, second = [n for n in region if n in after_stats], 1
+        else:
+            rest, second = region, 0
+        for r in range(D):
+            env = envs[r]
+            env.update(stats if plan.cross else {})
+            ws = weights(r, second)
+            project(r, ws, rest)
+            reuse = shared_kv and not primary(r)
             q_r = env[q_in]
             if reuse:
                 k_full, v_full = kv_primary
@@ -715,7 +819,9 @@ def _clone(g, node: fx.Node, env: dict, plan: _HeadPlan, r: int, D: int) -> fx.N
     for (owner, outside), (dim, sh) in plan.outside_slices.items():
         if owner is node:
             start = r * sh.n_local if sh.n % D == 0 else r * sh.n // D
-            local[outside] = g.call_function(torch.narrow, (outside, dim, start, sh.n_local))
+            local[outside] = g.call_function(
+                torch.narrow, (outside, dim, start * sh.inner, sh.n_local * sh.inner)
+            )
     new = g.node_copy(node, lambda a: local.get(a, a))
     plan.apply_sizes(node, new)
     return new

@@ -56,8 +56,10 @@ FAMILIES = {
         },
         True,
     ),
-    # fused-free q/k/v with biases, partial rotary, parallel attention + MLP
+    # separate q/k/v with biases, partial rotary, parallel attention + MLP
     "phi": ({"bos_token_id": 1, "eos_token_id": 2}, True),
+    # q/k RMSNorm over all heads' features: two sweeps over the head groups
+    "olmo2": ({"bos_token_id": 1, "eos_token_id": 2}, True),
 }
 
 
@@ -184,6 +186,7 @@ CASES_PROJECTIONS = [
     ("falcon", "sdpa", "none"),
     ("phi", "sdpa", "left"),
     ("gpt_neox", "eager", "none"),  # parallel residual (the default)
+    ("olmo2", "sdpa", "left"),
 ]
 
 
@@ -269,13 +272,26 @@ def test_llama_gradients_with_labels_and_padding_match_one_process(world):
             assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
 
 
+def hf_train_families(rank: int, world: int, families: list[str]) -> list[dict]:
+    out = []
+    for family in families:
+        torch._dynamo.reset()
+        out.append(hf_train_worker(rank, world, "sdpa", family))
+    return out
+
+
 @pytest.mark.slow
-def test_gpt2_conv1d_training_step_matches_one_process():
+def test_gpt2_conv1d_and_olmo2_training_step_matches_one_process():
     """GPT-2's fused Conv1D c_attn ([h, 3h], q/k/v side by side in its columns) is held as
     ``_StridedShard(1, 3)``: this rank's columns of each of q, k and v; c_proj ([h, h], heads'
-    features in its rows) as ``Shard(0)``. Gradients, the state dict and an SGD step equal one
-    process."""
-    for r in spawn(hf_train_worker, 2, "sdpa", "gpt2", timeout=600):
+    features in its rows) as ``Shard(0)``. OLMo-2 (q/k norms over all heads) runs its two
+    sweeps backward too. Gradients, the state dict and an SGD step equal one process."""
+    per_rank = spawn(hf_train_families, 2, ["gpt2", "olmo2"], timeout=600)
+    for gpt2, olmo2 in per_rank:
+        assert olmo2["matched"] == 4, olmo2
+        assert olmo2["loss_err"] < 1e-5 and olmo2["grad_err"] < 1e-5, olmo2
+        assert olmo2["state_err"] == 0.0 and olmo2["step_err"] < 1e-6, olmo2
+        r = gpt2
         assert r["matched"] == 4, r
         assert r["loss_err"] < 1e-5 and r["grad_err"] < 1e-5, r
         assert r["state_err"] == 0.0 and r["step_err"] < 1e-6, r
