@@ -254,6 +254,16 @@ class _HeadPlan:
                 if t not in self.layout and tv is not None and tv.numel():
                     raise _NotHeadLocal(f"'{node.name}' mixes in a value from outside the region")
             return sh
+        if name in ("rms_norm", "layer_norm"):
+            # normalises the last len(normalized_shape) dims; its weight and bias span those
+            sh = self.layout[x]
+            nd = len(shape(x))
+            if sh.dim >= nd - len(arg(node, 1, "normalized_shape")):
+                raise _NotHeadLocal(
+                    f"'{node.name}' ({name}) normalises across heads in one fused op (written "
+                    "out as pow/mean/rsqrt, as OLMo-2 does, the statistics are summed per group)"
+                )
+            return sh
         if name == "stack":
             # A new dim inserted into values of one head layout (RoPE by rotate-every-two:
             # ``stack((-x2, x1), -1).flatten(-2)``): heads stay where they were, one further
