@@ -499,12 +499,6 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     region = _region(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
     plan = _plan_heads(m, D, attention, region, sources, projections)
-    if plan.cross and shared_kv:
-        raise _NotHeadLocal(
-            f"'{next(iter(plan.cross)).name}' reduces across heads, and {m.kv_heads} KV heads "
-            f"on {D} ranks share heads between groups: the two-sweep schedule needs KV heads "
-            "divisible by D"
-        )
     post = _post_chain(attention, m.o_linear)
     plan.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
@@ -602,6 +596,17 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         if D > 1
         else 0,
     )
+    fused = m.q.key() == m.k.key() == m.v.key()
+    if fused and m.q.n_heads < m.kv_heads and D > 1:
+        # Falcon's grouped layout: the KV heads are expanded (broadcast_to) before RoPE, so
+        # the keys the schedule gathers already have the query heads' count
+        kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
+        extra = kv_bytes - kv_bytes * m.q.n_heads // m.kv_heads
+        ret.notes.append(
+            f"the model expands its {m.q.n_heads} K/V heads to {m.kv_heads} before the "
+            "head-local ops (RoPE) run on them, so each head group's K/V is gathered at that "
+            f"width: {extra} bytes more than the formula's 2*B*S*h_kv*d"
+        )
     if plan.cross:
         ret.notes.append(
             "statistics over all heads ("
@@ -666,7 +671,11 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             totals: dict[fx.Node, fx.Node] = {}
             for r in range(D):
                 project(r, weights(r, 0), pre)
+                if primary(r):
+                    env_primary = envs[r]
                 for c in plan.cross:
+                    if shared_kv and c in kv_nodes and not primary(r):
+                        continue  # a shared KV head: counted once, by its first group
                     dims, keep = arg(c, 1, "dim"), arg(c, 2, "keepdim", False)
                     part = g.call_function(torch.sum, (envs[r][c.args[0]], dims, keep))
                     totals[c] = (
