@@ -90,6 +90,9 @@ class AttentionRewrite:
     shard_numel: int
     predicted_recv_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    # the model's own KV head count where the schedule moves more (K/V expanded before the
+    # head-local ops): what the paper's formula counts
+    model_kv_heads: int = 0
 
 
 def _local_heads(n: int, world: int) -> int:
@@ -602,6 +605,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         # the keys the schedule gathers already have the query heads' count
         kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
         extra = kv_bytes - kv_bytes * m.q.n_heads // m.kv_heads
+        ret.model_kv_heads = m.q.n_heads
         ret.notes.append(
             f"the model expands its {m.q.n_heads} K/V heads to {m.kv_heads} before the "
             "head-local ops (RoPE) run on them, so each head group's K/V is gathered at that "
