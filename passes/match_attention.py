@@ -54,6 +54,9 @@ class Projection:
     # output is read back at x's leading shape: each head group's projection reads x itself.
     unflatten_input: bool = False
     proj: Linear | None = None
+    # ``out`` holds the features split into [..., heads, unit] (Falcon's multi-query
+    # ``qkv.view(B, S, heads + 2, d)[..., :-2, :]``): heads in the second-to-last dim
+    split_heads: bool = False
 
     @property
     def feature_dim(self) -> int:
@@ -267,6 +270,20 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
         return whole()
     u = users[0]
     ndim = len(shape(src))
+    sv = shape(u) if op_name(u) in ("view", "reshape") else ()
+    if (
+        len(sv) == ndim + 1
+        and tuple(sv[:-2]) == tuple(shape(src)[:-1])
+        and sv[-2] * sv[-1] == out_features
+    ):
+        # the features split into [units, unit]; a slice or one-element list of units
+        items = [g for g in u.users if g in on_path]
+        if len(items) == 1 and is_getitem(items[0]):
+            sel = _unit_selection(items[0].args[1], len(sv), sv[-2])
+            if sel is not None:
+                p = Projection(linear, w, b, sel[0] * sv[-1], sel[1] * sv[-1], items[0])
+                p.split_heads = True
+                return _oriented(p, lin, items[0])
     if is_getitem(u) and isinstance(u.args[1], tuple):
         idx = u.args[1]
         last = idx[-1] if idx and idx[-1] is not Ellipsis else None
@@ -296,12 +313,33 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
     return whole()
 
 
+def _unit_selection(index, ndim: int, n: int) -> tuple[int, int] | None:
+    """[a, b) when ``index`` picks a range of dim -2 of an ``ndim``-D tensor (whose size is
+    ``n``) and takes every other dim whole: ``x[..., a:b, :]`` or ``x[..., [i], :]``."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1 :]
+    items += [slice(None)] * (ndim - len(items))
+    if len(items) != ndim or any(i != slice(None) for i in items[:-2] + items[-1:]):
+        return None
+    sel = items[-2]
+    if isinstance(sel, list) and len(sel) == 1 and isinstance(sel[0], int):
+        i = sel[0] % n
+        return i, i + 1
+    if isinstance(sel, slice) and sel.step in (None, 1):
+        a = 0 if sel.start is None else sel.start % n if sel.start < 0 else sel.start
+        b = n if sel.stop is None else sel.stop % n if sel.stop < 0 else min(sel.stop, n)
+        return (a, b) if a < b else None
+    return None
+
+
 def _oriented(p: Projection, lin: Linear, out: fx.Node) -> Projection:
     """Note the weight's orientation, and whether each head group's projection must read the
     tokens before a flattening reshape so that its output has ``out``'s leading shape."""
     p.transposed = lin.transposed
     p.proj = lin
-    lead = tuple(shape(out)[:-1])
+    lead = tuple(shape(out)[: -2 if p.split_heads else -1])
     if tuple(shape(lin.x)[:-1]) == lead:
         return p
     src = lin.x.all_input_nodes[0] if is_reshape(lin.x) else None
@@ -422,7 +460,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         raise _NoMatch(f"{hq} query heads are not a multiple of {hkv} key/value heads")
     if hkv != ks[1] and not (k_rep and v_rep):
         raise _NoMatch("unrecognised key/value head repetition")
-    if ks[1] != hq and not a["enable_gqa"] and not k_rep:
+    if ks[1] not in (hq, 1) and not a["enable_gqa"] and not k_rep:
         raise _NoMatch("key heads differ from query heads without enable_gqa")
     if world > hq:
         raise TSPConfigError(

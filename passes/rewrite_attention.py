@@ -135,6 +135,8 @@ class _HeadPlan:
                 if _local_heads(p.n_heads, self.world) == p.n_heads:
                     # a single KV head shared by every group: nothing of it to cut
                     self.layout[node] = WHOLE
+                elif p.split_heads:  # [..., heads, unit]
+                    self.layout[node] = self.sharded(p.n_heads, 1, len(shape(node)) - 2)
                 else:
                     self.layout[node] = self.sharded(p.n_heads, p.unit, len(shape(node)) - 1)
                 continue
@@ -623,7 +625,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         ret.notes.append(
             f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
             "rank (replicated, not broadcast), so the layer receives "
-            f"{sum(math.prod(shape(p.weight)) for p in replicated_kv) * (D - 1) // D * elem} "
+            f"{sum(_rows_numel(p) for p in replicated_kv) * (D - 1) // D * elem} "
             "weight bytes fewer than the formula counts"
         )
     region_set = region_only | set(post)
@@ -665,6 +667,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                     (projection_input(p), _as_out_in(g, ws[f"p{i}_w"], p.transposed)),
                     {"bias": ws.get(f"p{i}_b")},
                 )
+                if p.split_heads:
+                    env[node] = g.call_function(torch.unflatten, (env[node], -1, (-1, p.unit)))
             else:
                 env[node] = _clone(g, node, env, plan, r, D)
 
@@ -778,6 +782,11 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     erase_unused(g, upstream)
     defer_recompile(gm)  # once for all layers, by the next shape propagation
     return ret
+
+
+def _rows_numel(p: Projection) -> int:
+    """Elements of the weight rows (output features) projection ``p`` uses."""
+    return p.rows * math.prod(shape(p.weight)) // shape(p.weight)[p.feature_dim]
 
 
 def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[str, fx.Node]:

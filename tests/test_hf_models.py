@@ -60,6 +60,18 @@ FAMILIES = {
     "phi": ({"bos_token_id": 1, "eos_token_id": 2}, True),
     # q/k RMSNorm over all heads' features: two sweeps over the head groups
     "olmo2": ({"bos_token_id": 1, "eos_token_id": 2}, True),
+    # Falcon's older multi-query layout: q heads, one k and one v head in one x @ W.T weight,
+    # the single K/V head broadcast by SDPA itself (held whole on every rank)
+    "falcon:mq": (
+        {
+            "new_decoder_architecture": False,
+            "multi_query": True,
+            "parallel_attn": True,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        True,
+    ),
     # mixture of experts: attention matched, the MoE MLPs skipped with the reason
     "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, True),
 }
@@ -76,7 +88,7 @@ def hf_worker(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     for family, attn, padding in cases:
         torch._dynamo.reset()
         overrides, _ = FAMILIES[family]
-        cfg = AutoConfig.for_model(family, **{**SMALL, **overrides})
+        cfg = AutoConfig.for_model(family.split(":")[0], **{**SMALL, **overrides})
         cfg._attn_implementation = attn
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(cfg).eval()
@@ -194,6 +206,7 @@ CASES_PROJECTIONS = [
     ("phi", "sdpa", "left"),
     ("gpt_neox", "eager", "none"),  # parallel residual (the default)
     ("olmo2", "sdpa", "left"),
+    ("falcon:mq", "sdpa", "right"),
     ("mixtral", "sdpa", "left"),
 ]
 # D = 4: the layouts whose cut depends on D (fused columns, mp_num blocks, KV groups, sweeps)
@@ -202,6 +215,7 @@ CASES_PROJECTIONS_D4 = [
     ("codegen", "sdpa", "left"),
     ("falcon", "eager", "none"),
     ("olmo2", "eager", "right"),
+    ("falcon:mq", "sdpa", "none"),
 ]
 
 
