@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape
 
 _CASTS = ("to", "float", "type_as", "half", "bfloat16", "contiguous")
+# the scale of the scores; in place too (Falcon's ``scores /= sqrt(d)``: its only user)
+_SCALES = ("mul", "div", "mul_", "div_")
 
 
 @dataclass
@@ -81,14 +83,14 @@ def _match(out: fx.Node):
     mask = None
     if op_name(scores) == "add" and _single_user(scores):
         a, b = scores.args
-        scores, mask = (a, b) if op_name(a) in ("mul", "div", "matmul") else (b, a)
+        scores, mask = (a, b) if op_name(a) in _SCALES + ("matmul",) else (b, a)
     scale = 1.0
-    if op_name(scores) in ("mul", "div") and _single_user(scores):
+    if op_name(scores) in _SCALES and _single_user(scores):
         a, b = scores.args
         raw, c = (a, b) if isinstance(a, fx.Node) else (b, a)
         if not isinstance(c, (int, float)):
             return "the scores are scaled by a tensor"
-        scale = float(c) if op_name(scores) == "mul" else 1.0 / float(c)
+        scale = float(c) if op_name(scores) in ("mul", "mul_") else 1.0 / float(c)
         scores = raw
     if op_name(scores) != "matmul" or not _single_user(scores):
         return "the softmax input is not q @ k^T (softcapping or another transform)"

@@ -126,9 +126,19 @@ def map_getitem(in_shape: Sequence[int], index, sh: Sharded) -> Sharded | None |
     for advanced (tensor) indexing, which the caller handles like any op it does not know.
     """
     items = index if isinstance(index, tuple) else (index,)
-    if any(not isinstance(i, (int, slice, type(None), type(Ellipsis))) for i in items):
+    # One list of ints (Falcon's ``qkv[..., [-2]]``) picks entries of one dim, which stays in
+    # its place; with an int or a second list, numpy's rules may move the picked dims to the
+    # front, so that stays unknown.
+    lists = [i for i in items if isinstance(i, list)]
+    if lists and (
+        len(lists) > 1
+        or not all(isinstance(j, int) and not isinstance(j, bool) for j in lists[0])
+        or any(isinstance(i, int) for i in items)
+    ):
         return "unknown"
-    n_consuming = sum(1 for i in items if isinstance(i, (int, slice)))
+    if any(not isinstance(i, (int, slice, list, type(None), type(Ellipsis))) for i in items):
+        return "unknown"
+    n_consuming = sum(1 for i in items if isinstance(i, (int, slice, list)))
     expanded: list = []
     for i in items:
         if i is Ellipsis:
@@ -136,7 +146,7 @@ def map_getitem(in_shape: Sequence[int], index, sh: Sharded) -> Sharded | None |
         else:
             expanded.append(i)
     expanded += [slice(None)] * (
-        len(in_shape) - sum(1 for i in expanded if isinstance(i, (int, slice)))
+        len(in_shape) - sum(1 for i in expanded if isinstance(i, (int, slice, list)))
     )
     in_dim = out_dim = 0
     result = None
@@ -145,10 +155,10 @@ def map_getitem(in_shape: Sequence[int], index, sh: Sharded) -> Sharded | None |
             out_dim += 1
             continue
         if in_dim == sh.dim:
-            if isinstance(i, int) or not is_full_slice(i, in_shape[in_dim]):
+            if not isinstance(i, slice) or not is_full_slice(i, in_shape[in_dim]):
                 return None
             result = sh.with_dim(out_dim)
-        if isinstance(i, slice):
+        if isinstance(i, (slice, list)):
             out_dim += 1
         in_dim += 1
     return result

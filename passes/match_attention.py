@@ -1,8 +1,10 @@
 """Pass 2a — match attention: find self-attention blocks the TSP broadcast schedule can run.
 
 Anchored on ``F.scaled_dot_product_attention``. From each call the matcher walks back to the
-projections that produce q, k and v (``F.linear`` with a parameter weight, possibly a row slice
-of a fused QKV projection), recognises grouped-query head repetition between the keys/values and
+projections that produce q, k and v (a parameter projection in any spelling ``passes/projection.py``
+knows: ``F.linear``, GPT-2's Conv1D ``addmm`` with a ``[in, out]`` weight, Falcon's ``x @ W.T``;
+possibly an output-feature slice of a fused QKV projection, seen through reshapes that keep the
+feature dim), recognises grouped-query head repetition between the keys/values and
 the call (dropped by the schedule, which repeats heads itself), and walks forward to the output
 projection. Whatever lies in between — reshapes, RoPE, q/k norms, biases — is left as it is and
 later run once per head group; ``rewrite_attention`` checks that it really is head-local.
@@ -21,7 +23,9 @@ import torch.fx as fx
 from tspc.runtime.errors import TSPConfigError
 
 from .analyse import GraphInfo
+from .elementwise import is_reshape
 from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs
+from .projection import Linear, as_linear
 
 
 @dataclass
@@ -33,15 +37,31 @@ class Skip:
 
 @dataclass
 class Projection:
-    """``x @ weight[rows].T (+ bias[rows])`` — a whole linear layer or a row slice of a fused one."""
+    """``x @ weight[rows].T (+ bias[rows])`` — a whole linear layer or a row slice of a fused one.
 
-    linear: fx.Node
+    "Rows" are output features: rows of a ``[out, in]`` weight, columns of a ``transposed``
+    (Conv1D, ``[in, out]``) one."""
+
+    linear: fx.Node  # the projection node (linear, addmm, matmul)
     weight: fx.Node
     bias: fx.Node | None
     row_start: int
     row_stop: int
     out: fx.Node  # the node whose value this projection is (the linear, or its slice)
     n_heads: int = 0
+    transposed: bool = False
+    # The projection reads its tokens flattened to 2-D (Conv1D: ``x.view(-1, h)``) and its
+    # output is read back at x's leading shape: each head group's projection reads x itself.
+    unflatten_input: bool = False
+    proj: Linear | None = None
+    # ``out`` holds the features split into [..., heads, unit] (Falcon's multi-query
+    # ``qkv.view(B, S, heads + 2, d)[..., :-2, :]``): heads in the second-to-last dim
+    split_heads: bool = False
+
+    @property
+    def feature_dim(self) -> int:
+        """The weight dim that holds the output features."""
+        return 1 if self.transposed else 0
 
     @property
     def rows(self) -> int:
@@ -77,6 +97,12 @@ class AttentionMatch:
     is_causal: bool = False
     mask: fx.Node | None = None
     scale: float | None = None
+    o_proj: Linear | None = None  # the output projection as a Linear (orientation, bias)
+
+    @property
+    def o_transposed(self) -> bool:
+        """The output projection's weight is ``[in, out]`` (Conv1D)."""
+        return self.o_proj is not None and self.o_proj.transposed
 
     def projections(self) -> list[Projection]:
         """Distinct projections (a fused QKV projection appears once)."""
@@ -120,10 +146,7 @@ class _NoMatch(Exception):
 
 
 def _param_linear(node: fx.Node, params) -> bool:
-    if op_name(node) != "linear":
-        return False
-    w = arg(node, 1, "weight")
-    return isinstance(w, fx.Node) and w in params
+    return as_linear(node, params) is not None
 
 
 def _single_user(node: fx.Node) -> bool:
@@ -224,17 +247,46 @@ def _backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:
 
 
 def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
-    """Which rows of ``linear`` reach ``target``: all of them, or a last-dim slice of a fused
-    projection (``qkv[..., a:b]``, ``qkv.narrow(-1, a, n)``, or an item of split/chunk)."""
-    w = arg(linear, 1, "weight")
-    b = arg(linear, 2, "bias")
-    out_features = shape(w)[0]
+    """Which output features of projection ``linear`` reach ``target``: all of them, or a
+    last-dim slice of a fused projection (``qkv[..., a:b]``, ``qkv.narrow(-1, a, n)``, or an
+    item of split/chunk), also after reshapes that keep the last dim (Conv1D's
+    ``addmm(...).view(B, S, 3h)``)."""
+    lin = as_linear(linear, params)
+    w, b = lin.weight, lin.bias
+    out_features = lin.out_features
     on_path = _backward_reach(target, linear)
-    users = [u for u in linear.users if u in on_path]
+
+    def whole() -> Projection:
+        return _oriented(Projection(linear, w, b, 0, out_features, linear), lin, linear)
+
+    def part(start: int, stop: int, out: fx.Node) -> Projection:
+        return _oriented(Projection(linear, w, b, start, stop, out), lin, out)
+
+    src = linear
+    while True:
+        users = [u for u in src.users if u in on_path]
+        if len(users) != 1 or not (is_reshape(users[0]) and users[0] is not target):
+            break
+        src = users[0]  # a leading-dims reshape: the features stay in the last dim
+    users = [u for u in src.users if u in on_path]
     if len(users) != 1:
-        return Projection(linear, w, b, 0, out_features, linear)
+        return whole()
     u = users[0]
-    ndim = len(shape(linear))
+    ndim = len(shape(src))
+    sv = shape(u) if op_name(u) in ("view", "reshape") else ()
+    if (
+        len(sv) == ndim + 1
+        and tuple(sv[:-2]) == tuple(shape(src)[:-1])
+        and sv[-2] * sv[-1] == out_features
+    ):
+        # the features split into [units, unit]; a slice or one-element list of units
+        items = [g for g in u.users if g in on_path]
+        if len(items) == 1 and is_getitem(items[0]):
+            sel = _unit_selection(items[0].args[1], len(sv), sv[-2])
+            if sel is not None:
+                p = Projection(linear, w, b, sel[0] * sv[-1], sel[1] * sv[-1], items[0])
+                p.split_heads = True
+                return _oriented(p, lin, items[0])
     if is_getitem(u) and isinstance(u.args[1], tuple):
         idx = u.args[1]
         last = idx[-1] if idx and idx[-1] is not Ellipsis else None
@@ -247,10 +299,10 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
             stop = out_features if last.stop is None else min(last.stop, out_features)
             if start < 0 or stop < 0:
                 raise _NoMatch("negative slice of a fused projection")
-            return Projection(linear, w, b, start, stop, u)
+            return part(start, stop, u)
     if op_name(u) == "narrow" and arg(u, 1, "dim") in (-1, ndim - 1):
         start, length = arg(u, 2, "start"), arg(u, 3, "length")
-        return Projection(linear, w, b, start, start + length, u)
+        return part(start, start + length, u)
     if op_name(u) in ("split", "chunk", "split_with_sizes") and arg(u, 2, "dim", 0) in (
         -1,
         ndim - 1,
@@ -260,8 +312,54 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
             i = items[0].args[1]
             sizes = [shape_of_item for shape_of_item in _split_sizes(u, out_features)]
             start = sum(sizes[:i])
-            return Projection(linear, w, b, start, start + sizes[i], items[0])
-    return Projection(linear, w, b, 0, out_features, linear)
+            return part(start, start + sizes[i], items[0])
+    return whole()
+
+
+def _unit_selection(index, ndim: int, n: int) -> tuple[int, int] | None:
+    """[a, b) when ``index`` picks a range of dim -2 of an ``ndim``-D tensor (whose size is
+    ``n``) and takes every other dim whole: ``x[..., a:b, :]`` or ``x[..., [i], :]``."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (ndim - len(items) + 1) + items[at + 1 :]
+    items += [slice(None)] * (ndim - len(items))
+    if len(items) != ndim or any(i != slice(None) for i in items[:-2] + items[-1:]):
+        return None
+    sel = items[-2]
+    if isinstance(sel, list) and len(sel) == 1 and isinstance(sel[0], int):
+        i = sel[0] % n
+        return i, i + 1
+    if isinstance(sel, slice) and sel.step in (None, 1):
+        a = 0 if sel.start is None else sel.start % n if sel.start < 0 else sel.start
+        b = n if sel.stop is None else sel.stop % n if sel.stop < 0 else min(sel.stop, n)
+        return (a, b) if a < b else None
+    return None
+
+
+def _oriented(p: Projection, lin: Linear, out: fx.Node) -> Projection:
+    """Note the weight's orientation, and whether each head group's projection must read the
+    tokens before a flattening reshape so that its output has ``out``'s leading shape."""
+    p.transposed = lin.transposed
+    p.proj = lin
+    lead = tuple(shape(out)[: -2 if p.split_heads else -1])
+    if tuple(shape(lin.x)[:-1]) == lead:
+        return p
+    src = lin.x.all_input_nodes[0] if is_reshape(lin.x) else None
+    if src is not None and tuple(shape(src)[:-1]) == lead:
+        p.unflatten_input = True
+        return p
+    raise _NoMatch(
+        f"the projection '{lin.node.name}' is read back at leading shape {list(lead)}, "
+        f"neither its input's {list(shape(lin.x)[:-1])} nor that input's source's"
+    )
+
+
+def projection_input(p: Projection) -> fx.Node:
+    """The token input each head group's projection reads, as the graph has it now (the
+    sequence pass may have put a node in front of the projection since matching)."""
+    x = p.proj.current_x()
+    return x.all_input_nodes[0] if p.unflatten_input else x
 
 
 def _split_sizes(node: fx.Node, total: int) -> list[int]:
@@ -286,8 +384,9 @@ def _o_projection(sdpa: fx.Node, params) -> fx.Node:
                 "output projection"
             )
         u = users[0]
-        if _param_linear(u, params):
-            if u.args[0] is not node:
+        lin = as_linear(u, params)
+        if lin is not None:
+            if lin.x is not node:
                 raise _NoMatch("the attention output feeds the output projection's weight")
             return u
         if op_name(u) not in (
@@ -329,7 +428,7 @@ def match_attention(
 def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
     try:
         lin, _ = _find_projection(a["query"], params, "q")
-        return module_fqn_of_param(params[arg(lin, 1, "weight")].fqn)
+        return module_fqn_of_param(params[as_linear(lin, params).weight].fqn)
     except _NoMatch:
         from .graph_utils import node_module_fqn
 
@@ -364,7 +463,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         raise _NoMatch(f"{hq} query heads are not a multiple of {hkv} key/value heads")
     if hkv != ks[1] and not (k_rep and v_rep):
         raise _NoMatch("unrecognised key/value head repetition")
-    if ks[1] != hq and not a["enable_gqa"] and not k_rep:
+    if ks[1] not in (hq, 1) and not a["enable_gqa"] and not k_rep:
         raise _NoMatch("key heads differ from query heads without enable_gqa")
     if world > hq:
         raise TSPConfigError(
@@ -380,13 +479,13 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     q_lin, _ = _find_projection(q, params, "q")
     k_lin, _ = _find_projection(k_root, params, "k")
     v_lin, _ = _find_projection(v_root, params, "v")
-    xs = {lin.args[0] for lin in (q_lin, k_lin, v_lin)}
-    if len(xs) != 1:
-        raise _NoMatch("the q, k and v projections read different inputs")
-    x = next(iter(xs))
     qp = _projection_rows(q_lin, q, params)
     kp = _projection_rows(k_lin, k_root, params)
     vp = _projection_rows(v_lin, v_root, params)
+    xs = {projection_input(p) for p in (qp, kp, vp)}
+    if len(xs) != 1:
+        raise _NoMatch("the q, k and v projections read different inputs")
+    x = next(iter(xs))
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
     by_key: dict[tuple, Projection] = {}
     for p, heads in ((qp, hq), (kp, hkv), (vp, hkv)):
@@ -399,9 +498,12 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     qp, kp, vp = by_key[qp.key()], by_key[kp.key()], by_key[vp.key()]
 
     o_lin = _o_projection(sdpa, params)
-    o_w = arg(o_lin, 1, "weight")
-    if shape(o_w)[1] != hq * d:
-        raise _NoMatch(f"output projection input size {shape(o_w)[1]} != heads*head_dim {hq * d}")
+    o_proj = as_linear(o_lin, params)
+    o_w = o_proj.weight
+    if o_proj.in_features != hq * d:
+        raise _NoMatch(
+            f"output projection input size {o_proj.in_features} != heads*head_dim {hq * d}"
+        )
     if world > 1 and any(params[p.weight].example is None for p in (qp, kp, vp)):
         raise _NoMatch("projection weight is not available")
     return AttentionMatch(
@@ -413,7 +515,8 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         v=vp,
         o_linear=o_lin,
         o_weight=o_w,
-        o_bias=arg(o_lin, 2, "bias"),
+        o_bias=o_proj.bias,
+        o_proj=o_proj,
         q_heads=hq,
         kv_heads=hkv,
         head_dim=d,
@@ -432,6 +535,7 @@ __all__ = [
     "Projection",
     "Skip",
     "match_attention",
+    "projection_input",
     "sdpa_args",
     "_forward_reach",
 ]

@@ -30,47 +30,12 @@ from .analyse import GraphInfo
 from .elementwise import Nature, is_reshape, nature
 from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs, val
 from .match_attention import Skip
+from .projection import _MATMULS, Linear, as_linear
 
-_MATMULS = ("linear", "addmm", "matmul", "mm", "__matmul__")
 _ATTENTION = ("sdpa", "softmax")
 _ROUTING = ("topk", "argmax", "argsort", "sort")
 # how far back from a down projection the search for its up projection looks (nodes)
 _SEARCH_LIMIT = 64
-
-
-@dataclass
-class Linear:
-    """A parameter projection node: ``linear(x, W, b)`` (``W`` is ``[out, in]``) or a Conv1D
-    ``addmm(b, x, W)`` / ``x @ W`` (``W`` is ``[in, out]``: ``transposed``)."""
-
-    node: fx.Node
-    x: fx.Node
-    weight: fx.Node
-    bias: fx.Node | None
-    transposed: bool
-
-    # The inputs as the graph reads them now: sequence sharding, after matching, may put a
-    # gather in front of ``x`` and routes every parameter through a gradient sync.
-    def current_x(self) -> fx.Node:
-        return self.node.args[1 if op_name(self.node) == "addmm" else 0]
-
-    def current_bias(self) -> fx.Node | None:
-        if op_name(self.node) == "addmm":
-            return self.node.args[0]
-        return arg(self.node, 2, "bias") if op_name(self.node) == "linear" else None
-
-    @property
-    def in_features(self) -> int:
-        return shape(self.weight)[0 if self.transposed else 1]
-
-    @property
-    def out_features(self) -> int:
-        return shape(self.weight)[1 if self.transposed else 0]
-
-    @property
-    def f_dim(self) -> int:
-        """The weight dim holding the output features (F for an up, h for a down)."""
-        return 1 if self.transposed else 0
 
 
 @dataclass
@@ -118,29 +83,6 @@ class MlpMatch:
 
 
 # --------------------------------------------------------------------------- projections
-
-
-def as_linear(node: fx.Node, params) -> Linear | None:
-    """``node`` as a projection by a 2-D parameter, or None."""
-    name = op_name(node)
-    if name not in _MATMULS:
-        return None
-
-    def weight(w) -> bool:
-        return isinstance(w, fx.Node) and w in params and len(shape(w)) == 2
-
-    if name == "linear":
-        w = arg(node, 1, "weight")
-        return Linear(node, node.args[0], w, arg(node, 2, "bias"), False) if weight(w) else None
-    if name == "addmm":
-        b, x, w = node.args[:3] if len(node.args) >= 3 else (None, None, None)
-        plain = node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1
-        if weight(w) and plain and isinstance(x, fx.Node) and node.op == "call_function":
-            return Linear(node, x, w, b, True)
-        return None
-    if len(node.args) == 2 and weight(node.args[1]) and isinstance(node.args[0], fx.Node):
-        return Linear(node, node.args[0], node.args[1], None, True)  # x @ W
-    return None
 
 
 def _through_reshapes(node: fx.Node, path: list[fx.Node]) -> fx.Node:

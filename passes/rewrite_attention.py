@@ -55,9 +55,10 @@ from .layout import (
     map_reduce,
     map_transpose,
     map_view,
+    reduced_dims,
     rewrite_sizes,
 )
-from .match_attention import AttentionMatch, Projection, Skip
+from .match_attention import AttentionMatch, Projection, Skip, projection_input
 from .shard_inputs import ShardInputs
 from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, sdpa_local_queries
 
@@ -71,6 +72,10 @@ class _NotHeadLocal(Exception):
 
 
 WHOLE = "whole"  # a value every head group uses unchanged (a single shared KV head)
+# A value computed from every head group together and then used by each (OLMo-2's q/k RMSNorm
+# statistics: a mean over all heads' features). Computed once, between two sweeps over the
+# head groups: the first projects and sums each group's part, the second uses the total.
+REDUCED = "reduced"
 
 
 @dataclass
@@ -85,6 +90,9 @@ class AttentionRewrite:
     shard_numel: int
     predicted_recv_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    # the model's own KV head count where the schedule moves more (K/V expanded before the
+    # head-local ops): what the paper's formula counts
+    model_kv_heads: int = 0
 
 
 def _local_heads(n: int, world: int) -> int:
@@ -111,23 +119,31 @@ class _HeadPlan:
         self.sizes: dict[fx.Node, tuple] = {}  # node -> (arg index or kw name, new sizes)
         self.outside_slices: dict[tuple[fx.Node, fx.Node], tuple[int, Sharded]] = {}
         self.attention = attention_node
+        # reductions over the head dim (sum/mean), by node: each becomes a sum of per-group
+        # partial sums; only before the attention (the keys must be final when gathered)
+        self.cross: dict[fx.Node, str] = {}
+        self.allow_cross = False
 
     def sharded(self, n_heads: int, unit: int, dim: int) -> Sharded:
         return Sharded(dim, n_heads, _local_heads(n_heads, self.world), 1, unit)
 
     def plan_pre(self, region: list[fx.Node], sources: dict[fx.Node, Projection]) -> None:
+        self.allow_cross = True
         for node in region:
             if node in sources:
                 p = sources[node]
                 if _local_heads(p.n_heads, self.world) == p.n_heads:
                     # a single KV head shared by every group: nothing of it to cut
                     self.layout[node] = WHOLE
+                elif p.split_heads:  # [..., heads, unit]
+                    self.layout[node] = self.sharded(p.n_heads, 1, len(shape(node)) - 2)
                 else:
                     self.layout[node] = self.sharded(p.n_heads, p.unit, len(shape(node)) - 1)
                 continue
             self.layout[node] = self._propagate(node, region)
 
     def plan_post(self, chain: list[fx.Node]) -> None:
+        self.allow_cross = False
         m = self.m
         q_dim = len(shape(self.attention)) - 3
         self.layout[self.attention] = self.sharded(m.q_heads, 1, q_dim)
@@ -139,6 +155,15 @@ class _HeadPlan:
         ins = [i for i in tensor_inputs(node, include_tuples=True) if i in self.layout]
         if not ins:
             raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
+        reduced = [i for i in ins if self.layout[i] is REDUCED]
+        if reduced:
+            if name not in ELEMENTWISE and name not in _KEEP:
+                raise _NotHeadLocal(
+                    f"'{node.name}' ({name}) uses a statistic over all heads in a way only "
+                    "elementwise ops are known to allow"
+                )
+            if len(reduced) == len(ins):
+                return REDUCED  # computed once, from the totals
         whole = [i for i in ins if self.layout[i] is WHOLE]
         if whole:
             if len(whole) != len(ins):
@@ -171,7 +196,7 @@ class _HeadPlan:
             if name == "t":
                 return map_transpose(n, 0, 1, sh) if n == 2 else sh
             return map_transpose(n, arg(node, 1, "dim0"), arg(node, 2, "dim1"), sh)
-        if name == "expand":
+        if name in ("expand", "broadcast_to"):
             sh = self.layout[x]
             out = map_broadcast(len(shape(x)), len(shape(node)), sh)
             self._plan_sizes(node, out)
@@ -206,6 +231,11 @@ class _HeadPlan:
             keep = len(shape(node)) == ndim
             out = map_reduce(ndim, dims, keep, sh)
             if out is None:
+                if self.allow_cross and name in ("mean", "sum") and len(node.args) <= 3:
+                    if not node.kwargs.keys() <= {"dim", "keepdim"}:
+                        raise _NotHeadLocal(f"'{node.name}' ({name}) reduces across heads")
+                    self.cross[node] = name
+                    return REDUCED
                 raise _NotHeadLocal(f"'{node.name}' ({name}) reduces across heads")
             return out
         if name == "cat":
@@ -229,6 +259,27 @@ class _HeadPlan:
                 if t not in self.layout and tv is not None and tv.numel():
                     raise _NotHeadLocal(f"'{node.name}' mixes in a value from outside the region")
             return sh
+        if name in ("rms_norm", "layer_norm"):
+            # normalises the last len(normalized_shape) dims; its weight and bias span those
+            sh = self.layout[x]
+            nd = len(shape(x))
+            if sh.dim >= nd - len(arg(node, 1, "normalized_shape")):
+                raise _NotHeadLocal(
+                    f"'{node.name}' ({name}) normalises across heads in one fused op (written "
+                    "out as pow/mean/rsqrt, as OLMo-2 does, the statistics are summed per group)"
+                )
+            return sh
+        if name == "stack":
+            # A new dim inserted into values of one head layout (RoPE by rotate-every-two:
+            # ``stack((-x2, x1), -1).flatten(-2)``): heads stay where they were, one further
+            # along when the new dim comes before them.
+            tensors = list(arg(node, 0, "tensors"))
+            lays = {self.layout.get(t) for t in tensors}
+            if None in lays or len(lays) != 1:
+                raise _NotHeadLocal(f"'{node.name}' stacks values with different head layouts")
+            sh = next(iter(lays))
+            dim = arg(node, 1, "dim", 0) % len(shape(node))
+            return sh.with_dim(sh.dim + 1) if dim <= sh.dim else sh
         if name == "linear":
             sh = self.layout[x]
             if sh.dim == len(shape(x)) - 1:
@@ -244,19 +295,20 @@ class _HeadPlan:
                 parts = parts[:1]
             target = None
             for p in parts:
-                if p in self.layout:
+                if p in self.layout and self.layout[p] is not REDUCED:
                     mapped = map_broadcast(len(shape(p)), out_ndim, self.layout[p])
                     if target is not None and mapped != target:
                         raise _NotHeadLocal(f"'{node.name}' combines differently split heads")
                     target = mapped
             for p in parts:
-                if p in self.layout:
+                if p in self.layout and self.layout[p] is not REDUCED:
                     continue
                 ps = shape(p)
                 a = target.dim - (out_ndim - len(ps))
                 if a >= 0 and ps[a] != 1:
-                    if target.inner != 1 or ps[a] != shape(node)[target.dim]:
+                    if p in self.layout or (target.outer != 1 or ps[a] != shape(node)[target.dim]):
                         raise _NotHeadLocal(f"'{node.name}' broadcasts a value across heads")
+                    # a per-feature operand (a norm weight over all heads): the group's part
                     self.outside_slices[(node, p)] = (a, target)
             return target
         raise _NotHeadLocal(f"'{node.name}' ({name or node.op}) is not known to be head-local")
@@ -317,6 +369,42 @@ def _region(sources: list[fx.Node], sinks: list[fx.Node]) -> list[fx.Node]:
     return sorted(nodes, key=order.__getitem__)
 
 
+def _unit_counts(p: Projection, head_dim: int, world: int) -> list[int]:
+    """Head-group units a fused projection serving q, k and v may be cut into, most first.
+
+    Its rows are counted in q heads at first; a layout that groups rows otherwise (Falcon's
+    ``new_decoder_architecture``: per KV group, its q heads then one k and one v head) is cut
+    at the coarser units its reshapes keep whole. Only counts every rank can get a share of."""
+    widths = p.rows // head_dim
+    return [
+        n
+        for n in range(min(p.n_heads, widths), 0, -1)
+        if widths % n == 0 and n % world == 0 and p.rows % n == 0
+    ]
+
+
+def _plan_heads(m, D, attention, region, sources, projections) -> _HeadPlan:
+    shared = [p for p in projections if p.key() == m.q.key() == m.k.key() == m.v.key()]
+    if not shared:
+        plan = _HeadPlan(m, D, attention)
+        plan.plan_pre(region, sources)
+        return plan
+    (p,) = shared
+    first_error = None
+    for n in _unit_counts(p, m.head_dim, D) or [p.n_heads]:
+        p.n_heads = n
+        plan = _HeadPlan(m, D, attention)
+        try:
+            plan.plan_pre(region, sources)
+            return plan
+        except _NotHeadLocal as e:
+            first_error = first_error or e
+    raise _NotHeadLocal(
+        f"{first_error} (the fused q/k/v projection was also tried in every coarser grouping "
+        f"of its rows that {D} ranks can share)"
+    )
+
+
 def _post_chain(attention: fx.Node, o_linear: fx.Node) -> list[fx.Node]:
     chain = []
     node = attention
@@ -355,6 +443,18 @@ def rewrite_attention(
         return _rewrite(gm, info, match, group, shards)
     except _NotHeadLocal as e:
         return Skip("attention", match.module, f"not head-local: {e}")
+
+
+def _descendants_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(u for u in n.users if u in region)
+    return seen
 
 
 def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
@@ -403,8 +503,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     q_in = arg(attention, 0, "query")
     region = _region(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
-    plan = _HeadPlan(m, D, attention)
-    plan.plan_pre(region, sources)
+    plan = _plan_heads(m, D, attention, region, sources, projections)
     post = _post_chain(attention, m.o_linear)
     plan.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
@@ -430,11 +529,12 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             if p in replicated_kv or (shared_kv and kv_only(p) and not primary(r)):
                 continue
             a, b = _head_rows(p, r, D)
-            out.append((f"p{i}_w", p.weight, ShardSpec(0, a, b)))
+            out.append((f"p{i}_w", p.weight, ShardSpec(p.feature_dim, a, b)))
             if p.bias is not None:
                 out.append((f"p{i}_b", p.bias, ShardSpec(0, a, b)))
         hq_l = m.q_heads // D
-        out.append(("o_w", m.o_weight, ShardSpec(1, r * hq_l * d, (r + 1) * hq_l * d)))
+        o_in_dim = 0 if m.o_transposed else 1  # the weight dim of the heads' features
+        out.append(("o_w", m.o_weight, ShardSpec(o_in_dim, r * hq_l * d, (r + 1) * hq_l * d)))
         return out
 
     def comp_shape(pnode: fx.Node, spec: ShardSpec) -> tuple[int, ...]:
@@ -445,10 +545,21 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     step_comps = [components(r) for r in range(D)]
     step_shapes = [[comp_shape(pn, sp) for _, pn, sp in c] for c in step_comps]
     step_numel = [sum(math.prod(s) for s in shapes) for shapes in step_shapes]
+    # With statistics over all heads (plan.cross) the layer sweeps the head groups twice:
+    # the first sweep's broadcasts carry the Q/K/V slices, the second's the O slice. Every
+    # weight still moves once; each rank keeps its own tokens' projections of every group
+    # between the sweeps (the activations one process keeps for its backward anyway).
+    sweeps = [lambda name: name != "o_w", lambda name: name == "o_w"] if plan.cross else [None]
+
+    def sweep_part(r: int, k: int) -> tuple[list, list, int]:
+        keep = sweeps[k]
+        idx = [i for i, (name, _, _) in enumerate(step_comps[r]) if keep is None or keep(name)]
+        shapes = [step_shapes[r][i] for i in idx]
+        return [step_comps[r][i] for i in idx], shapes, sum(math.prod(x) for x in shapes)
 
     order = {n: i for i, n in enumerate(g.nodes)}
     first_use = min(region + [m.o_linear], key=order.__getitem__)
-    pack_node = None
+    pack_nodes: list[fx.Node | None] = [None] * len(sweeps)
     shard_numel = 0
     if D > 1:
         # every rank's slices of each parameter: the pack of step r is rank r's
@@ -459,12 +570,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         for pnode, layout in layouts.items():
             shards.declare(pnode, layout)
         with g.inserting_before(first_use):
-            shard_nodes = []
-            for cname, pnode, spec in step_comps[rank]:
-                node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
-                shard_numel += math.prod(comp_shape(pnode, spec))
-                shard_nodes.append(node)
-            pack_node = g.call_function(pack, (shard_nodes,))
+            for k in range(len(sweeps)):
+                shard_nodes = []
+                for cname, pnode, spec in sweep_part(rank, k)[0]:
+                    node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
+                    shard_numel += math.prod(comp_shape(pnode, spec))
+                    shard_nodes.append(node)
+                pack_nodes[k] = g.call_function(pack, (shard_nodes,))
 
     tag = m.module
     n_kv_groups = m.kv_heads if shared_kv else D
@@ -475,8 +587,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     )
     ret = AttentionRewrite(
         module=m.module,
-        steps=D,
-        broadcasts=D if D > 1 else 0,
+        steps=D * len(sweeps),
+        broadcasts=D * len(sweeps) if D > 1 else 0,
         kv_gathers=2 * n_kv_groups if D > 1 else 0,
         local_heads=m.q_heads // D,
         local_kv_heads=_local_heads(m.kv_heads, D),
@@ -489,11 +601,31 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         if D > 1
         else 0,
     )
+    fused = m.q.key() == m.k.key() == m.v.key()
+    if fused and m.q.n_heads < m.kv_heads and D > 1:
+        # Falcon's grouped layout: the KV heads are expanded (broadcast_to) before RoPE, so
+        # the keys the schedule gathers already have the query heads' count
+        kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
+        extra = kv_bytes - kv_bytes * m.q.n_heads // m.kv_heads
+        ret.model_kv_heads = m.q.n_heads
+        ret.notes.append(
+            f"the model expands its {m.q.n_heads} K/V heads to {m.kv_heads} before the "
+            "head-local ops (RoPE) run on them, so each head group's K/V is gathered at that "
+            f"width: {extra} bytes more than the formula's 2*B*S*h_kv*d"
+        )
+    if plan.cross:
+        ret.notes.append(
+            "statistics over all heads ("
+            + ", ".join(f"'{n.name}' ({kind_})" for n, kind_ in plan.cross.items())
+            + f") before the attention: two sweeps over the {D} head groups, Q/K/V slices "
+            "broadcast in the first, O in the second (every weight moves once); each rank "
+            "keeps its tokens' projections of all head groups between them"
+        )
     if replicated_kv and D > 1:
         ret.notes.append(
             f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
             "rank (replicated, not broadcast), so the layer receives "
-            f"{sum(math.prod(shape(p.weight)) for p in replicated_kv) * (D - 1) // D * elem} "
+            f"{sum(_rows_numel(p) for p in replicated_kv) * (D - 1) // D * elem} "
             "weight bytes fewer than the formula counts"
         )
     region_set = region_only | set(post)
@@ -510,26 +642,74 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     env_primary: dict[fx.Node, fx.Node] = {}
     kv_primary: tuple[fx.Node, fx.Node] | None = None
     gqa = m.kv_heads != m.q_heads
+    reduced = {n for n in region if plan.layout.get(n) is REDUCED}
+    after_stats = _descendants_within(list(reduced), region_only) - reduced
+    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(D)]
+
+    def weights(r: int, k: int) -> dict[str, fx.Node]:
+        comps, shapes, numel = sweep_part(r, k)
+        return _step_weights(g, r, D, group, tag, pack_nodes[k], comps, shapes, numel)
+
+    def project(r: int, ws: dict[str, fx.Node], nodes: list[fx.Node]) -> None:
+        """Head group r's copies of ``nodes`` (region nodes, in graph order)."""
+        env = envs[r]
+        reuse = shared_kv and not primary(r)
+        if not reuse:
+            ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
+        for node in nodes:
+            if reuse and node in kv_nodes:
+                env[node] = env_primary[node]
+            elif node in sources:
+                p = sources[node]
+                i = projections.index(p)
+                env[node] = g.call_function(
+                    F.linear,
+                    (projection_input(p), _as_out_in(g, ws[f"p{i}_w"], p.transposed)),
+                    {"bias": ws.get(f"p{i}_b")},
+                )
+                if p.split_heads:
+                    env[node] = g.call_function(torch.unflatten, (env[node], -1, (-1, p.unit)))
+            else:
+                env[node] = _clone(g, node, env, plan, r, D)
+
     with g.inserting_before(m.o_linear):
-        for r in range(D):
-            env: dict[fx.Node, fx.Node] = {}
-            ws = _step_weights(
-                g, r, D, group, tag, pack_node, step_comps[r], step_shapes[r], step_numel[r]
-            )
-            reuse = shared_kv and not primary(r)
-            if not reuse:
-                ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
-            for node in region:
-                if reuse and node in kv_nodes:
-                    env[node] = env_primary[node]
-                elif node in sources:
-                    p = sources[node]
-                    i = projections.index(p)
-                    env[node] = g.call_function(
-                        F.linear, (p.linear.args[0], ws[f"p{i}_w"], ws.get(f"p{i}_b"))
+        if plan.cross:
+            # sweep 1: every group's projections; the statistics summed over the groups
+            pre = [n for n in region if n not in reduced and n not in after_stats]
+            totals: dict[fx.Node, fx.Node] = {}
+            for r in range(D):
+                project(r, weights(r, 0), pre)
+                if primary(r):
+                    env_primary = envs[r]
+                for c in plan.cross:
+                    if shared_kv and c in kv_nodes and not primary(r):
+                        continue  # a shared KV head: counted once, by its first group
+                    dims, keep = arg(c, 1, "dim"), arg(c, 2, "keepdim", False)
+                    part = g.call_function(torch.sum, (envs[r][c.args[0]], dims, keep))
+                    totals[c] = (
+                        part if c not in totals else g.call_function(torch.add, (totals[c], part))
                     )
-                else:
-                    env[node] = _clone(g, node, env, plan, r, D)
+            stats: dict[fx.Node, fx.Node] = {}
+            for c, kind_ in plan.cross.items():
+                stats[c] = totals[c]
+                if kind_ == "mean":
+                    x_shape = shape(c.args[0])
+                    count = math.prod(
+                        x_shape[i] for i in reduced_dims(len(x_shape), arg(c, 1, "dim"))
+                    )
+                    stats[c] = g.call_function(torch.div, (totals[c], count))
+            for n in region:
+                if n in reduced and n not in stats:
+                    stats[n] = _clone(g, n, stats, plan, 0, D)
+            rest, second = [n for n in region if n in after_stats], 1
+        else:
+            rest, second = region, 0
+        for r in range(D):
+            env = envs[r]
+            env.update(stats if plan.cross else {})
+            ws = weights(r, second)
+            project(r, ws, rest)
+            reuse = shared_kv and not primary(r)
             q_r = env[q_in]
             if reuse:
                 k_full, v_full = kv_primary
@@ -568,12 +748,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             env[attention] = att
             for node in post:
                 env[node] = _clone(g, node, env, plan, r, D)
-            part = g.call_function(F.linear, (env[post[-1]] if post else att, ws["o_w"]))
+            o_w = _as_out_in(g, ws["o_w"], m.o_transposed)
+            part = g.call_function(F.linear, (env[post[-1]] if post else att, o_w))
             part.meta["tspc_role"] = "partial_output"
             acc = part if acc is None else g.call_function(torch.add, (acc, part))
             for n in escapes:
                 escapes[n].append(env[n])
-        o_bias = arg(m.o_linear, 2, "bias")
+        o_bias = m.o_proj.current_bias()
         out = g.call_function(torch.add, (acc, o_bias)) if o_bias is not None else acc
         for n, per_step in escapes.items():
             # A value the rest of the graph also uses (a KV cache output, say): the groups'
@@ -605,6 +786,11 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     return ret
 
 
+def _rows_numel(p: Projection) -> int:
+    """Elements of the weight rows (output features) projection ``p`` uses."""
+    return p.rows * math.prod(shape(p.weight)) // shape(p.weight)[p.feature_dim]
+
+
 def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[str, fx.Node]:
     """Head group r's rows of K/V weights every rank holds whole: slices of the parameter as
     the graph uses it (after the in-graph gradient sum, where there is one)."""
@@ -617,10 +803,16 @@ def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[s
     for p in replicated:
         i = projections.index(p)
         a, b = _head_rows(p, r, D)
-        out[f"p{i}_w"] = g.call_function(torch.narrow, (as_used(p.weight), 0, a, b - a))
+        out[f"p{i}_w"] = g.call_function(torch.narrow, (as_used(p.weight), p.feature_dim, a, b - a))
         if p.bias is not None:
             out[f"p{i}_b"] = g.call_function(torch.narrow, (as_used(p.bias), 0, a, b - a))
     return out
+
+
+def _as_out_in(g, w: fx.Node, transposed: bool) -> fx.Node:
+    """A weight slice as ``F.linear`` takes it (``[out, in]``): a Conv1D's ``[in, out]`` is
+    transposed (a view; ``linear`` then runs the same ``addmm`` as the Conv1D did)."""
+    return g.call_function(torch.t, (w,)) if transposed else w
 
 
 def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[str, fx.Node]:
@@ -661,7 +853,9 @@ def _clone(g, node: fx.Node, env: dict, plan: _HeadPlan, r: int, D: int) -> fx.N
     for (owner, outside), (dim, sh) in plan.outside_slices.items():
         if owner is node:
             start = r * sh.n_local if sh.n % D == 0 else r * sh.n // D
-            local[outside] = g.call_function(torch.narrow, (outside, dim, start, sh.n_local))
+            local[outside] = g.call_function(
+                torch.narrow, (outside, dim, start * sh.inner, sh.n_local * sh.inner)
+            )
     new = g.node_copy(node, lambda a: local.get(a, a))
     plan.apply_sizes(node, new)
     return new

@@ -810,6 +810,8 @@ class _Propagator:
         self.layout[node] = out
         return None
 
+    rule_broadcast_to = rule_expand  # torch.broadcast_to(x, sizes): Falcon's K/V heads
+
     def rule_expand_as(self, node):
         x, other = node.args[0], node.args[1]
         sh, so = self.L(x), self.L(other)

@@ -231,7 +231,10 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
     if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
         # the same gradient sum the graphs put after replicated inputs
         local = sync_replicated_grad(local, entry.group, entry.world, "replicated_slices")
-    return [local.narrow(s.dim, entry.offsets[s], s.length) for s in specs]
+    # A slice along a dim other than the first (a Conv1D weight's output columns held as
+    # several slices) is not contiguous; graphs are compiled for contiguous shard inputs
+    # (``ShardStore.example_shard``), and the broadcast packs a copy of it anyway.
+    return [local.narrow(s.dim, entry.offsets[s], s.length).contiguous() for s in specs]
 
 
 # --------------------------------------------------------------------------- adoption

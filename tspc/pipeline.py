@@ -165,8 +165,13 @@ def run_pipeline(
         for m in att_matches:
             out = rewrite_attention(gm, info, m, group, shards)
             if isinstance(out, AttentionRewrite):
-                details = {k: v for k, v in vars(out).items() if k not in ("module", "notes")}
-                details.update(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim)
+                details = {
+                    k: v
+                    for k, v in vars(out).items()
+                    if k not in ("module", "notes", "model_kv_heads")
+                }
+                kv_heads = out.model_kv_heads or m.kv_heads  # the model's, for the formula
+                details.update(q_heads=m.q_heads, kv_heads=kv_heads, head_dim=m.head_dim)
                 report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
                 report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
                 report.notes += [f"{m.module}: {note}" for note in out.notes]
