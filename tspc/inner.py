@@ -150,6 +150,8 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
         with graph.inserting_before(min(backward, key=order.__getitem__)):
             for c in chain:
                 env[c] = graph.node_copy(c, lambda a, env=env: env.get(a, a))
+                # a backward node: the forward graph must not run it (its users are backward)
+                env[c].meta["partitioner_tag"] = "must_be_in_backward"
         for u in dict.fromkeys(backward):
             u.args = fx.node.map_arg(u.args, lambda a, env=env: env.get(a, a))
             u.kwargs = fx.node.map_arg(u.kwargs, lambda a, env=env: env.get(a, a))
