@@ -153,7 +153,13 @@ class Scheme:
     devices: int
 
 
-def schemes(devices: tuple[int, ...] = DEVICES) -> list[Scheme]:
+RECOMPUTE_SUFFIX = "_rc"
+
+
+def schemes(devices: tuple[int, ...] = DEVICES, recompute: bool = False) -> list[Scheme]:
+    """The rows; with ``recompute`` also every parallel scheme with full activation
+    recomputation (key suffix ``_rc``): TSP and SP with ``options={"recompute": "full"}``, TP
+    and TP+SP with each decoder block under ``torch.utils.checkpoint`` (what their users run)."""
     rows = [
         Scheme("one_aot", "one process (aot_eager)", 1),
         Scheme("one_eager", "one process (eager)", 1),
@@ -165,6 +171,13 @@ def schemes(devices: tuple[int, ...] = DEVICES) -> list[Scheme]:
             Scheme("tp", "TP", d),
             Scheme("tp_sp", "TP+SP", d),
         ]
+        if recompute:
+            rows += [
+                Scheme("tsp" + RECOMPUTE_SUFFIX, "TSP, recompute", d),
+                Scheme("sp" + RECOMPUTE_SUFFIX, "SP, recompute", d),
+                Scheme("tp" + RECOMPUTE_SUFFIX, "TP, recompute (eager)", d),
+                Scheme("tp_sp" + RECOMPUTE_SUFFIX, "TP+SP, recompute (eager)", d),
+            ]
     return rows
 
 
@@ -188,24 +201,42 @@ def _data(config: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, targets
 
 
+def _checkpoint_blocks(model: torch.nn.Module) -> None:
+    """Every decoder block of the reference model under ``torch.utils.checkpoint``."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        forward = layer.forward
+        layer.forward = lambda *a, f=forward: checkpoint(f, *a, use_reentrant=False)
+
+
 def _build(job: Job) -> tuple[torch.nn.Module, Any]:
     """The (loss-wrapped) model and the callable a step runs."""
     from bench.baselines import build_tp, build_tp_sp
     from samples.reference_model import build_reference_model
     from tspc.measure import LossModel
 
+    recompute = job.scheme.endswith(RECOMPUTE_SUFFIX)
+    scheme = job.scheme.removesuffix(RECOMPUTE_SUFFIX)
     base = build_reference_model(**job.config.model_kwargs())
-    if job.scheme == "tp":
+    if scheme == "tp":
         base = build_tp(base)
-    elif job.scheme == "tp_sp":
+    elif scheme == "tp_sp":
         base = build_tp_sp(base)
+    if recompute and scheme in ("tp", "tp_sp"):
+        _checkpoint_blocks(base)
     model = LossModel(base)
-    if job.scheme == "one_eager":
+    if scheme == "one_eager":
         return model, model
-    if job.scheme in ("tsp", "sp"):
-        options = {"schedules": "sp"} if job.scheme == "sp" else {}
+    if scheme in ("tsp", "sp"):
+        options = {"schedules": "sp"} if scheme == "sp" else {}
+        if recompute:
+            options["recompute"] = "full"
         return model, torch.compile(model, backend="tsp", options=options)
-    if job.scheme in ("tp", "tp_sp") and job.baseline_backend == "eager":
+    if scheme in ("tp", "tp_sp") and (job.baseline_backend == "eager" or recompute):
+        # torch.utils.checkpoint over DTensor blocks does not compile under aot_eager in
+        # torch 2.13 (a DeviceMesh among the saved tensors): the checkpointed TP baselines run
+        # uncompiled, as their users run them
         return model, model
     return model, torch.compile(model, backend="aot_eager")
 
@@ -213,9 +244,10 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
 def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
     from bench.baselines import param_groups
 
-    if job.scheme == "tsp":
+    scheme = job.scheme.removesuffix(RECOMPUTE_SUFFIX)
+    if scheme == "tsp":
         params: Any = list(model.parameters())
-    elif job.scheme in ("tp", "tp_sp"):
+    elif scheme in ("tp", "tp_sp"):
         params = param_groups(model)  # DTensor and plain parameters in separate groups
     else:
         params = model.parameters()
@@ -358,7 +390,27 @@ class Table:
                     tsp.peak <= bound,
                 )
             )
-            others = [r for r in self.rows if r.devices == d and r.key != "tsp"]
+            others = [
+                r
+                for r in self.rows
+                if r.devices == d and r.key != "tsp" and not r.key.endswith(RECOMPUTE_SUFFIX)
+            ]
+            tsp_rc = self.row("tsp" + RECOMPUTE_SUFFIX, d)
+            rc_others = [
+                r
+                for r in self.rows
+                if r.devices == d and r.key.endswith(RECOMPUTE_SUFFIX) and r is not tsp_rc
+            ]
+            if tsp_rc is not None and rc_others and d == 4:
+                low = min(rc_others, key=lambda r: r.peak)
+                out.append(
+                    (
+                        f"TSP with recompute D={d} ({tsp_rc.peak / MB:.2f} MB) below every "
+                        f"baseline with recompute at D={d} (lowest: {low.label} "
+                        f"{low.peak / MB:.2f} MB)",
+                        all(tsp_rc.peak < r.peak for r in rc_others),
+                    )
+                )
             if others and self.config.name == "both" and d == 4:
                 worst = min(others, key=lambda r: r.peak)
                 out.append(
@@ -425,7 +477,11 @@ def format_table(table: Table) -> str:
     for d in _devices_in(table):
         if table.config.name != "both" or d != 4:
             tsp = table.row("tsp", d)
-            others = [r for r in table.rows if r.devices == d and r.key != "tsp"]
+            others = [
+                r
+                for r in table.rows
+                if r.devices == d and r.key != "tsp" and not r.key.endswith(RECOMPUTE_SUFFIX)
+            ]
             if tsp is not None and others:
                 low = min(others, key=lambda r: r.peak)
                 lines.append(
@@ -471,12 +527,13 @@ def run_table(
     only: tuple[str, ...] | None = None,
     timeout: float = 900.0,
     progress: Any = None,
+    recompute: bool = False,
 ) -> Table:
     """Every row of one table (one spawn per scheme and D)."""
     from tspc.launch import spawn
 
     table = Table(config, mode)
-    for scheme in schemes(devices):
+    for scheme in schemes(devices, recompute=recompute and mode == "train"):
         if only is not None and scheme.key not in only:
             continue
         t = time.perf_counter()
@@ -512,6 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline-backend", choices=("aot_eager", "eager"), default="aot_eager",
         help="how TP and TP+SP run (aot_eager, like TSP's inner compiler)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recompute", action="store_true",
+        help="training tables also get every parallel scheme with full activation "
+        "recomputation (TSP/SP: options recompute='full'; TP, TP+SP: torch.utils.checkpoint "
+        "per decoder block)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables too")
@@ -555,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                 mode,
                 devices,
                 args.baseline_backend,
+                recompute=args.recompute,
                 progress=lambda r: print(
                     f"   {r.label} D={r.devices}: {r.peak / MB:.2f} MB ({r.seconds:.0f} s)",
                     flush=True,

@@ -51,3 +51,20 @@ def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
     import torch
 
     return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)
+
+
+def joint_graph_cse(graph):
+    """aot_autograd's common-subexpression elimination of a joint graph (``fx_graph_cse``,
+    private in 2.13): the min-cut partitioner runs it first, and would merge the copies of a
+    transfer that ``tspc.inner.split_recomputed_transfers`` makes, so tspc runs it before
+    making them and then partitions with ``partitioner_without_cse``."""
+    from torch._functorch.compile_utils import fx_graph_cse
+
+    return fx_graph_cse(graph)
+
+
+def partitioner_without_cse():
+    """A context in which aot_autograd's partitioner skips its own CSE (``functorch.config``)."""
+    from torch._functorch import config
+
+    return config.patch(cse=False)

@@ -76,3 +76,17 @@ def test_quick_run_produces_every_row():
         assert tsp.parts["shards"] > 0
         assert tsp.peak < one.peak
     assert "TSP" in format_table(table)
+
+
+def test_recompute_rows_and_their_check():
+    keys = {(s.key, s.devices) for s in schemes((4,), recompute=True)}
+    assert {k for k, d in keys if d == 4} == {
+        "tsp", "sp", "tp", "tp_sp", "tsp_rc", "sp_rc", "tp_rc", "tp_sp_rc",
+    }  # fmt: skip
+    table = Table(QUICK_CONFIGS["weights"], "train")
+    table.rows = [_row("one_aot", 1, 100.0), _row("tsp", 4, 30.0), _row("tsp_rc", 4, 20.0)]
+    table.rows += [_row("sp_rc", 4, 60.0), _row("tp_rc", 4, 21.0), _row("tp_sp_rc", 4, 25.0)]
+    (statement, holds), *_ = [c for c in table.checks() if "recompute" in c[0]]
+    assert holds and "TSP with recompute D=4" in statement
+    table.rows[4] = _row("tp_rc", 4, 19.0)
+    assert not [ok for text, ok in table.checks() if "recompute" in text][0]

@@ -224,7 +224,7 @@ def test_bad_plan_inputs_raise_value_error() -> None:
     with pytest.raises(ValueError, match="devices"):
         PlanInputs(devices=0, seq_len=1024)
     with pytest.raises(ValueError, match="recompute"):
-        PlanInputs(devices=2, seq_len=1024, recompute="selective")
+        PlanInputs(devices=2, seq_len=1024, recompute="partial")
     with pytest.raises(ValueError, match="KV heads"):
         ModelShape(hidden=64, layers=1, heads=4, kv_heads=3, intermediate=128, vocab=10)
 

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tspc.passes.schedule import is_view_or_pack, schedule_overlap
 from tspc.runtime.comm import START_KIND, WAIT_OPS
+from tspc.runtime.compat import joint_graph_cse, partitioner_without_cse
 
 from .options import TSPOptions
 
@@ -102,11 +103,76 @@ def keep_backward_transfers_in_backward(graph: fx.Graph) -> int:
     return pinned
 
 
+_SPLIT_STARTS = (torch.ops.tspc.broadcast_start.default, torch.ops.tspc.all_gather_start.default)
+
+
+def _in_backward(n: fx.Node) -> bool:
+    return n.meta.get("partitioner_tag") in ("is_backward", "must_be_in_backward")
+
+
+def split_recomputed_transfers(graph: fx.Graph) -> int:
+    """Give the backward its own copy of each recomputed weight broadcast and K/V gather whose
+    result both a recomputed forward node and a backward node read.
+
+    Under block recomputation (``options={"recompute": ...}``) the backward replays a block's
+    forward — which needs head group r's weights and gathered K/V — and then runs the block's
+    backward, which needs them again. As one node the transfer would be recomputed once and its
+    result kept from the replayed forward to the backward of group r: every head group's
+    weights and full-sequence K/V alive at once (a whole layer's, 8x the one group the schedule
+    keeps at D = 8). With a copy for the backward users, the replay's transfer dies after the
+    replayed group and the backward fetches the group again just before it needs it (one more
+    broadcast and K/V gather per group in the backward: the paper's "weights re-streamed, K/V
+    re-gathered"). Every rank builds the same graph, so every rank issues the copies in the same
+    order. Returns the number of transfers copied.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    copied = 0
+    for start in [n for n in graph.nodes if n.op == "call_function" and n.target in _SPLIT_STARTS]:
+        if _in_backward(start) or start.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            continue
+        chain, seen, stack = [start], {start}, list(start.users)
+        while stack:  # the wait and the free views/packs after it (what moves with a transfer)
+            u = stack.pop()
+            if u in seen or _in_backward(u) or u.op != "call_function":
+                continue
+            if u.target in _RECOMPUTE_WAITS or (
+                is_view_or_pack(u) and u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+            ):
+                seen.add(u)
+                chain.append(u)
+                stack.extend(u.users)
+        readers = [u for c in chain for u in c.users if u not in seen]
+        backward = [u for u in readers if _in_backward(u)]
+        if not backward or len(backward) == len(readers):
+            continue
+        chain.sort(key=order.__getitem__)
+        env: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(min(backward, key=order.__getitem__)):
+            for c in chain:
+                env[c] = graph.node_copy(c, lambda a, env=env: env.get(a, a))
+                # a backward node: the forward graph must not run it (its users are backward)
+                env[c].meta["partitioner_tag"] = "must_be_in_backward"
+        for u in dict.fromkeys(backward):
+            u.args = fx.node.map_arg(u.args, lambda a, env=env: env.get(a, a))
+            u.kwargs = fx.node.map_arg(u.kwargs, lambda a, env=env: env.get(a, a))
+        copied += 1
+    return copied
+
+
 def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     keep_backward_transfers_in_backward(joint_module.graph)
     mark_transfers_for_recompute(joint_module.graph)
+    if any(n.meta.get("ac_graph_id", 0) > 0 for n in joint_module.graph.nodes):
+        # Recomputed regions: the backward fetches its own weights and K/V. The partitioner's
+        # CSE would merge those copies back, so it runs here, before they are made.
+        joint_module.graph.eliminate_dead_code()
+        joint_module.graph = joint_graph_cse(joint_module.graph)
+        if split_recomputed_transfers(joint_module.graph):
+            joint_module.recompile()
+            with partitioner_without_cse():
+                return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 

@@ -383,6 +383,8 @@ class RankMeasurement:
     compile_seconds: float
     step_seconds: float
     ops: int
+    # what is live at the peak, summed by (category, the op that made it): the largest
+    largest_at_peak: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -454,6 +456,7 @@ def measure_rank(
     world: int = 1,
     mode: str = "train",
     schedules: str = "tsp",
+    recompute: str = "none",
 ) -> RankMeasurement:
     """Compile and run one step of the reference model as ``rank`` of ``world``, on fake
     tensors, and measure the step's peak live bytes (see the module doc).
@@ -481,7 +484,9 @@ def measure_rank(
         model = LossModel(RefModel(config))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-        compiled = torch.compile(model, backend="tsp", options={"schedules": schedules})
+        compiled = torch.compile(
+            model, backend="tsp", options={"schedules": schedules, "recompute": recompute}
+        )
         optimizer = None
         for _ in range(2):  # the first call compiles; a recompile would come at the second
             if mode == "train":
@@ -542,10 +547,16 @@ def measure_rank(
                 "optimizer",
             )
         at_peak = dict.fromkeys(CATEGORIES, 0)
+        largest: list[tuple[int, str, str]] = []
         for i in tracker.live_at_peak():
             blk = tracker.blocks[i]
             cat = role.get(i) or ("communication" if blk.kind == "comm" else "activations")
             at_peak[cat] += blk.nbytes
+            largest.append((blk.nbytes, cat, blk.op or "(state)"))
+        by_op: dict[tuple[str, str], int] = {}
+        for nbytes, cat, op in largest:
+            by_op[(cat, op)] = by_op.get((cat, op), 0) + nbytes
+        largest = sorted(((v, c, o) for (c, o), v in by_op.items()), reverse=True)
         peak = tracker.peak_bytes
         del loss, optimizer, compiled, model
 
@@ -574,6 +585,7 @@ def measure_rank(
         compile_seconds=t1 - t0,
         step_seconds=t2 - t1,
         ops=tracker.ops,
+        largest_at_peak=largest[:12],
     )
 
 
@@ -599,6 +611,7 @@ class Measurement:
     measured_layers: tuple[int, ...]  # the depths actually run (two when extrapolating)
     mode: str
     schedules: str
+    recompute: str
     runs: dict[int, list[RankMeasurement]]  # depth -> one entry per measured rank
     full: list[dict[str, float]] = field(default_factory=list)  # per rank: category -> bytes
 
@@ -625,6 +638,7 @@ def measure(
     layers: int | None = None,
     ranks: Sequence[int] | None = None,
     schedules: str = "tsp",
+    recompute: str = "none",
     progress: Any = None,
 ) -> Measurement:
     """Measure ``ranks`` (default: all) of a D-rank TSP run of the model ``shape`` (a planner
@@ -654,6 +668,7 @@ def measure(
                 world=devices,
                 mode=mode,
                 schedules=schedules,
+                recompute=recompute,
             )
             runs[depth].append(res)
             if progress is not None:
@@ -673,6 +688,7 @@ def measure(
         measured_layers=depths,
         mode=mode,
         schedules=schedules,
+        recompute=recompute,
         runs=runs,
         full=full,
     )
@@ -686,13 +702,13 @@ GB = 1e9
 MB = 1e6
 
 
-def analytic_as_measured(shape: Any, inputs: Any, mode: str) -> Any:
+def analytic_as_measured(shape: Any, inputs: Any, mode: str, recompute: str = "none") -> Any:
     """The planner's TSP breakdown under the assumptions of what ``measure`` runs.
 
     Training: weights, gradients and both AdamW moments in the model dtype (kappa = 4 bytes x
-    the dtype's width; no fp32 master copy), no activation recomputation (tspc runs none), two
-    weight shards in flight, no fixed overhead c0 (fake tensors have none). Forward: weights
-    only (kappa = the dtype's width) and no stored activations (``no_grad``).
+    the dtype's width; no fp32 master copy), the recomputation the measured step ran
+    (``recompute``), two weight shards in flight, no fixed overhead c0 (fake tensors have none).
+    Forward: weights only (kappa = the dtype's width) and no stored activations (``no_grad``).
     """
     import dataclasses
 
@@ -702,7 +718,7 @@ def analytic_as_measured(shape: Any, inputs: Any, mode: str) -> Any:
     matched = dataclasses.replace(
         inputs,
         kappa=float(4 * beta if mode == "train" else beta),
-        recompute="none" if mode == "train" else "full",
+        recompute=recompute if mode == "train" else "full",
         overhead_gb=0.0,
         tsp_inflight_shards=2,
     )
@@ -726,7 +742,7 @@ def format_measurement(meas: Measurement, shape: Any, inputs: Any, seconds: floa
         else "forward (loss under no_grad)"
     )
     first = next(iter(meas.runs.values()))[0]
-    lines = ["", f"Measured: TSP(D={d}) on fake tensors, {what}"]
+    lines = ["", f"Measured: TSP(D={d}) on fake tensors, {what}, recompute={meas.recompute}"]
     text = (
         f"the real rewritten graph ran at level '{first.level}': {first.matched_attention} "
         f"attention and {first.matched_mlp} MLP layers matched in the {first.layers}-layer trace"
@@ -767,10 +783,10 @@ def format_measurement(meas: Measurement, shape: Any, inputs: Any, seconds: floa
         lines += _table(["traced", *headers[1:]], depth_rows)
 
     plan_tsp = memory_breakdown(shape, inputs, "TSP", d, d)
-    matched = analytic_as_measured(shape, inputs, meas.mode)
+    matched = analytic_as_measured(shape, inputs, meas.mode, meas.recompute)
     kappa = 4 * inputs.act_bytes if meas.mode == "train" else inputs.act_bytes
     assumed = (
-        f"kappa={kappa} B/param, no recompute"
+        f"kappa={kappa} B/param, recompute={meas.recompute}"
         if meas.mode == "train"
         else "weights only, nothing stored"
     )
@@ -849,18 +865,33 @@ def _explain(
         per_token = act_inc / (tokens * inputs.act_bytes) / h
         no_recompute = (inputs.a_rep(shape) + inputs.a_sh(shape)) / h
         if meas.mode == "train":
-            planned = (
-                "1h (only the layer input: full recomputation)"
-                if inputs.recompute == "full"
-                else f"{no_recompute:g}h"
-            )
+            planned = {
+                "full": "1h (only the layer input: full recomputation)",
+                "none": f"{no_recompute:g}h",
+            }.get(inputs.recompute, f"{matched_per_token(shape, inputs):g}h")
+            saved_by = {
+                "none": "tspc ran no recomputation, aot_autograd's min-cut partitioner decided "
+                "what is saved",
+                "full": "tspc recomputed every block (only its input is saved)",
+                "selective": "tspc recomputed each attention, the partitioner chose the rest",
+            }[meas.recompute]
+            n0 = meas.measured_layers[0]
+            fixed = sum(a.at_peak[c] for c in ("activations", "communication")) - n0 * act_inc
             text = (
                 f"per layer (the measured increment): {f(act_inc)} {unit} of activations and "
                 f"collective buffers, {per_token:.1f}h elements per local token, where the plan "
                 f"stores {planned} and its no-recompute model (a_rep + a_sh) says "
-                f"{no_recompute:g}h: tspc runs no activation checkpointing, aot_autograd's "
-                f"min-cut partitioner decides what is saved; model state {f(state_inc)} {unit} "
-                "per layer"
+                f"{no_recompute:g}h ({saved_by}); model state {f(state_inc)} {unit} per layer"
+            )
+            lines += _wrap(text, first="  - ")
+            text = (
+                f"derived from the measured graph (replacing the plan's fitted a_rep and c0): "
+                f"stored activations {per_token:.2f}h per token per layer; layer-independent "
+                f"activations and buffers (the depth-0 intercept: logits and loss, embedding "
+                f"output, one layer's recomputed working set, K/V and weight shards in flight) "
+                f"{f(fixed)} {unit}, where the plan has working set + K/V + logits "
+                f"{f(plan_tsp.working_set + plan_tsp.kv_gathered + plan_tsp.logits)} plus the "
+                f"fitted c0 {f(plan_tsp.overhead)}"
             )
         else:
             text = (
@@ -875,6 +906,15 @@ def _explain(
         first="  - ",
     )
     return lines
+
+
+def matched_per_token(shape: Any, inputs: Any) -> float:
+    """Stored activation elements per token per layer of the plan's selective policy, / h."""
+    from tspc.plan import memory_breakdown
+
+    m = memory_breakdown(shape, inputs, "TSP", inputs.devices, inputs.devices)
+    tokens = inputs.micro_batch * inputs.seq_len / inputs.devices
+    return m.stored_activations / (shape.layers * tokens * inputs.act_bytes * shape.hidden)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:

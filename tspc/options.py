@@ -16,6 +16,7 @@ _CHOICES = {
     "outputs": ("gathered", "sharded"),
     "inner": ("eager", "aot_eager", "inductor"),
     "schedules": ("tsp", "sp", "none"),
+    "recompute": ("none", "selective", "full"),
 }
 
 
@@ -42,6 +43,11 @@ class TSPOptions:
         (also TSPC_COMM_TIMEOUT); None waits as long as the process group does.
     check_inputs: before every call, check that all ranks passed the same inputs (one small
         all-gather of input fingerprints per call); raises naming the input and the ranks.
+    recompute: activation recomputation inside the schedules (``passes/recompute.py``):
+        "none" (default: aot_autograd's partitioner chooses what to save), "full" (every
+        transformer block recomputed from its input in the backward: weights re-streamed, K/V
+        re-gathered; only each block's input shard is kept), "selective" (each layer's attention
+        recomputed, the MLP's activations kept). Needs an aot inner compiler.
     """
 
     group: Any = None
@@ -55,6 +61,7 @@ class TSPOptions:
     schedules: str = "tsp"
     comm_timeout: float | None = None
     check_inputs: bool = False
+    recompute: str = "none"
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -69,6 +76,11 @@ class TSPOptions:
         for name in ("overlap", "strict", "check_inputs"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
+        if options.get("recompute", "none") != "none" and options.get("inner") == "eager":
+            raise OptionError(
+                "option recompute needs aot_autograd's partitioner: use inner='aot_eager' or "
+                "'inductor' (inner='eager' records the graph op by op and cannot recompute)"
+            )
         if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):
             options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
         t = options.get("comm_timeout")

@@ -1,7 +1,7 @@
 """The pass pipeline, in order, with a snapshot of the graph after each pass.
 
     inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_mlp -> shard_sequence -> rewrite_attention
-            -> rewrite_mlp -> schedule_overlap -> (inner compiler: tspc/inner.py)
+            -> rewrite_mlp -> recompute -> schedule_overlap -> (inner compiler: tspc/inner.py)
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
 (sequence sharding only: replicated weights, K/V all-gathered), or "replicated" (no pass
@@ -35,6 +35,7 @@ from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
+from tspc.passes.recompute import extend_checkpoint_regions, tag_recompute
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
@@ -56,6 +57,7 @@ PIPELINE = (
     "shard_sequence",
     "rewrite_attention",
     "rewrite_mlp",
+    "recompute",
     "schedule",
 )
 LEVELS = ("tsp", "sp", "replicated")
@@ -118,7 +120,8 @@ def run_pipeline(
             res.snapshots.append((name, gm.code))
 
     snap("captured")
-    if inline_checkpoints(gm):
+    checkpointed = inline_checkpoints(gm)
+    if checkpointed:
         report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
     snap("inline_checkpoints")
     info = analyse(gm, example_inputs)
@@ -207,6 +210,18 @@ def run_pipeline(
             )
         for m in mlp_matches:
             report.entries.append(ModuleEntry("mlp", m.module, "skipped", f"not rewritten ({why})"))
+    if opts.recompute != "none":
+        regions = tag_recompute(
+            gm, [m.module for m in att_matches], [m.module for m in mlp_matches], opts.recompute
+        )
+        what = "block" if opts.recompute == "full" else "attention"
+        report.notes.append(
+            f"recompute={opts.recompute}: {len(regions)} {what} region(s) recomputed in backward"
+            + (f" ({regions[0]} ... {regions[-1]})" if regions else "")
+        )
+    elif checkpointed:
+        extend_checkpoint_regions(gm)
+    snap("recompute")
     if opts.overlap:
         schedule_overlap(gm)
     snap("schedule")
