@@ -37,12 +37,6 @@ def _single_user(n: fx.Node) -> bool:
     return len(n.users) == 1
 
 
-def _through(node: fx.Node, names) -> fx.Node:
-    while isinstance(node, fx.Node) and op_name(node) in names and _single_user(node):
-        node = node.args[0]
-    return node
-
-
 def _is_key_transpose(kt: fx.Node) -> fx.Node | None:
     """``k.transpose(-2, -1)`` (any spelling) -> k."""
     name = op_name(kt)

@@ -229,10 +229,6 @@ def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
-def normalize_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
 def arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     """A call's argument by position or keyword (Dynamo emits both spellings)."""
     if len(node.args) > index:

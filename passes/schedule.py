@@ -625,8 +625,3 @@ def _may_travel(n: fx.Node, start: fx.Node, cone: set[fx.Node]) -> bool:
             continue
         return False
     return True
-
-
-def comm_order(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """The (kind, tag) of every collective start, in issue order — equal on every rank."""
-    return [_stream_key(n) for n in gm.graph.nodes if _is_start(n)]

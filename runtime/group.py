@@ -25,10 +25,6 @@ class TSPGroup:
     dp_name: str = ""
     dp_size: int = 1
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.size > 1
-
 
 class GroupResolutionError(ValueError):
     pass

@@ -176,13 +176,6 @@ CASES_LLAMA = [
     ("mistral", "sdpa", "left"),
     ("mistral", "eager", "none"),
 ]
-CASES_OTHERS = [
-    ("qwen2", "sdpa", "left"),
-    ("phi3", "sdpa", "right"),
-    ("gemma", "sdpa", "left"),
-    ("qwen3", "eager", "left"),
-    ("gpt_neox", "sdpa", "left"),
-]
 
 
 @pytest.mark.slow
@@ -191,31 +184,19 @@ def test_llama_and_mistral_match_one_process(world):
     _check(spawn(hf_worker, world, CASES_LLAMA, timeout=900), world)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_other_families_match_one_process(world):
-    _check(spawn(hf_worker, world, CASES_OTHERS, timeout=900), world)
-
-
+# Qwen2, Phi-3, Gemma, Qwen3, GPT-NeoX, GPT-2, Cohere, Phi, OLMo-2, Mixtral and Falcon's
+# multi-query default run in the zoo (tests/test_zoo.py); here the forms the zoo's configs do not
+# reach: rotate-every-two with rotary_dim, CodeGen's mp_num blocks, Falcon's grouped layout.
 CASES_PROJECTIONS = [
-    ("gpt2", "sdpa", "left"),
     ("gptj", "sdpa", "none"),
     ("codegen", "eager", "right"),
-    ("cohere", "sdpa", "left"),
-    ("falcon", "sdpa", "none"),
-    ("phi", "sdpa", "left"),
+    ("falcon", "sdpa", "left"),
     ("gpt_neox", "eager", "none"),  # parallel residual (the default)
-    ("olmo2", "sdpa", "left"),
-    ("falcon:mq", "sdpa", "right"),
-    ("mixtral", "sdpa", "left"),
 ]
-# D = 4: the layouts whose cut depends on D (fused columns, mp_num blocks, KV groups, sweeps)
+# D = 4: the layouts whose cut depends on D (mp_num blocks, KV groups)
 CASES_PROJECTIONS_D4 = [
-    ("gpt2", "sdpa", "none"),
     ("codegen", "sdpa", "left"),
     ("falcon", "eager", "none"),
-    ("olmo2", "eager", "right"),
-    ("falcon:mq", "sdpa", "none"),
 ]
 
 

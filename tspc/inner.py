@@ -300,9 +300,7 @@ def compile_inner(
 
         decomps = select_decomp_table()
     else:
-        from functools import partial
-
-        partition = partial(_aot_eager_partition)
+        partition = _aot_eager_partition
     return aot_module_simplified(
         gm,
         example_inputs,
