@@ -23,6 +23,7 @@ slice); the adjoint of a sum all-reduce is an all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable
@@ -54,6 +55,25 @@ class _Settings:
 
 SETTINGS = _Settings(timeout_s=_default_timeout())
 
+# Timeouts of the graphs running now, innermost last (``timeout_scope``): a model compiled with
+# options={"comm_timeout": t} gets t for its own collectives without changing anyone else's.
+_SCOPED: list[float | None] = []
+
+
+@contextlib.contextmanager
+def timeout_scope(seconds: float | None):
+    """Collectives waited inside use ``seconds`` (None: the process default, ``SETTINGS``)."""
+    _SCOPED.append(seconds)
+    try:
+        yield
+    finally:
+        _SCOPED.pop()
+
+
+def current_timeout() -> float | None:
+    scoped = _SCOPED[-1] if _SCOPED else None
+    return scoped if scoped is not None else SETTINGS.timeout_s
+
 
 @dataclass
 class _Pending:
@@ -82,7 +102,7 @@ def _complete(handle: torch.Tensor) -> torch.Tensor:
             f"tspc: wait on unknown collective handle {hid} (waited twice, or the start was "
             "removed from the graph); this is a bug in a graph pass"
         )
-    timeout = SETTINGS.timeout_s
+    timeout = current_timeout()
     for w in pending.works:
         try:
             if timeout is None:

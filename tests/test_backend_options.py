@@ -82,3 +82,22 @@ def test_a_new_scalar_value_does_not_recompile_a_dynamic_graph():
     assert len(tspc.report.reports_after(before)) == 1
     compiled(torch.randn(2, 12, 4), torch.tensor(3.0))  # a new shape: one more compile
     assert len(tspc.report.reports_after(before)) == 2
+
+
+def test_comm_timeout_is_the_graphs_own_not_the_process_default():
+    """options={"comm_timeout": t} applies to that model's collectives only: compiling it
+    leaves the process default (TSPC_COMM_TIMEOUT) alone, and the scope nests."""
+    from tspc.runtime import comm
+
+    default = comm.SETTINGS.timeout_s
+    torch._dynamo.reset()
+    model = build_reference_model(num_layers=1)
+    compiled = torch.compile(model, backend="tsp", options={"comm_timeout": 7.0})
+    compiled(torch.randint(0, 256, (2, 16)))
+    assert comm.SETTINGS.timeout_s == default
+    assert comm.current_timeout() == default
+    with comm.timeout_scope(7.0):
+        assert comm.current_timeout() == 7.0
+        with comm.timeout_scope(None):  # a graph without its own: the process default
+            assert comm.current_timeout() == default
+        assert comm.current_timeout() == 7.0

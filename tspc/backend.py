@@ -201,7 +201,14 @@ def _compile_static(
         s.param_index: STORE.get(example_inputs[s.param_index]).layout for s in result.shard_inputs
     }
     return _CompiledTSPGraph(
-        compiled, result.shard_inputs, layouts, releasable, params, checked, group
+        compiled,
+        result.shard_inputs,
+        layouts,
+        releasable,
+        params,
+        checked,
+        group,
+        opts.comm_timeout,
     )
 
 
@@ -258,8 +265,10 @@ class _CompiledTSPGraph:
         params: list[int],
         checked_inputs: list[tuple[int, str]] | None,
         group: TSPGroup,
+        comm_timeout: float | None = None,
     ):
         self.fn = fn
+        self.comm_timeout = comm_timeout  # this graph's own (options["comm_timeout"])
         self.releasable = set(releasable)
         self.params = params  # positions of the module parameters among the graph's inputs
         # (position of the full parameter, [its slices the graph reads, in input order])
@@ -303,7 +312,8 @@ class _CompiledTSPGraph:
             if g.dp_size > 1:
                 dp_params = [tp.dparam for tp in tps] or [flat[i] for i in self.params]
                 average_grads_over(dp_params, g.dp_name, g.dp_size)
-            out = self.fn(*flat, *shards)
+            with comm.timeout_scope(self.comm_timeout):
+                out = self.fn(*flat, *shards)
         if tps:
             adopt(tps)
         return out
@@ -374,8 +384,6 @@ def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
     _refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim)
-    if opts.comm_timeout is not None:
-        comm.SETTINGS.timeout_s = float(opts.comm_timeout)
     info = analyse(gm, example_inputs)
     if info.has_symbolic_inputs:
         log.info("tspc: symbolic shapes: compiling per concrete shape at first use")

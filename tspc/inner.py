@@ -29,6 +29,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tspc.passes.schedule import is_view_or_pack, schedule_overlap
+from tspc.runtime import comm
 from tspc.runtime.comm import START_KIND, WAIT_OPS
 from tspc.runtime.compat import joint_graph_cse, partitioner_without_cse
 
@@ -262,6 +263,18 @@ class AotGraphs:
     on_backward_compiled: Callable[[Callable], Callable] | None = None
 
 
+def _with_timeout(fn: Callable, seconds: float) -> Callable:
+    """``fn`` (a boxed compiled graph) with its collectives waited under this graph's
+    ``comm_timeout``: the backward runs from autograd, outside the forward's scope."""
+
+    def run(args):
+        with comm.timeout_scope(seconds):
+            return fn(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
 def compile_inner(
     gm: fx.GraphModule, example_inputs: list[Any], opts: TSPOptions, graphs: AotGraphs
 ) -> Callable:
@@ -289,6 +302,8 @@ def compile_inner(
                 fn = make_boxed_func(g.forward)
             if kind == "backward" and graphs.on_backward_compiled is not None:
                 fn = graphs.on_backward_compiled(fn)  # dump hook, see AotGraphs
+            if kind == "backward" and opts.comm_timeout is not None:
+                fn = _with_timeout(fn, float(opts.comm_timeout))
             return fn
 
         return compiler
