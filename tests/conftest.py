@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,3 +33,15 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The extended tier (marker ``extended``: D = 4 repeats of feature tests, the memory
+    bench's quick run) runs only with TSPC_EXTENDED=1, so the README's test command stays within
+    its time budget; see README "Testing"."""
+    if os.environ.get("TSPC_EXTENDED") == "1":
+        return
+    skip = pytest.mark.skip(reason="extended tier: TSPC_EXTENDED=1 python -m pytest -m extended")
+    for item in items:
+        if "extended" in item.keywords:
+            item.add_marker(skip)

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.fx as fx
+
+# The D = 4 run of a feature test whose D = 2 run stays in the suite: the extended tier
+# (TSPC_EXTENDED=1 python -m pytest -m extended). D = 4 itself stays in the suite through the core
+# equivalence, bytes, training, recompute and zoo tests.
+D4_EXTENDED = pytest.param(4, marks=pytest.mark.extended)
 
 
 def capture(model, *inputs, **kwargs):

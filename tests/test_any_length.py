@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import grad_error
+from tests.helpers import D4_EXTENDED, grad_error
 from tspc.launch import spawn
 from tspc.runtime.zigzag import (
     drop_padding,
@@ -320,7 +320,7 @@ def llama_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_llama_any_length_matches_one_process(world):
     two_d = 2 * world
     cases = [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import grad_error
+from tests.helpers import D4_EXTENDED, grad_error
 from tspc.launch import spawn
 
 SMALL = dict(
@@ -179,7 +179,7 @@ CASES_LLAMA = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_llama_and_mistral_match_one_process(world):
     _check(spawn(hf_worker, world, CASES_LLAMA, timeout=900), world)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import D4_EXTENDED
 from tspc.ops import zigzag_attention as zz
 from tspc.runtime.zigzag import local_valid, padded_length, zigzag_slice
 
@@ -459,7 +460,7 @@ def _cases(world: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_windows_documents_and_block_masks_match_one_process(world):
     from tspc.launch import spawn
 

@@ -57,6 +57,7 @@ def test_every_scheme_at_every_d():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_quick_run_produces_every_row():
     cfg = QUICK_CONFIGS["both"]
     table = run_table(cfg, "forward", devices=(2, 4))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import capture, grad_error
+from tests.helpers import D4_EXTENDED, capture, grad_error
 from tests.mlp_forms import FF, FORMS, SKIPPED, model_with
 from tspc.launch import spawn
 
@@ -148,7 +148,7 @@ def _p_mlp(form: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_forms_match_one_process(world):
     # D = 4 runs the two forms whose slices are laid out differently (Conv1D's transposed
     # weights, a fused up/gate in swapped order): the suite's time is bounded

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import D4_EXTENDED
 from tspc.launch import spawn
 
 HF_SMALL = dict(
@@ -190,7 +191,7 @@ def idioms_worker(rank: int, world: int, kinds: list[str]) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_optimizer_clipping_accumulation_autocast_equal_one_process(world):
     kinds = ["outside", "llama"] if world == 2 else ["outside"]  # the suite's time is bounded
     for r in spawn(idioms_worker, world, kinds, timeout=900):
