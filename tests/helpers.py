@@ -13,6 +13,20 @@ import torch.fx as fx
 # equivalence, bytes, training, recompute and zoo tests.
 D4_EXTENDED = pytest.param(4, marks=pytest.mark.extended)
 
+# A transformers config small enough for many compiles on two cores (random weights, built with
+# AutoConfig.for_model(family, **HF_SMALL, ...): nothing is downloaded).
+HF_SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    use_cache=False,
+)
+
 
 def capture(model, *inputs, **kwargs):
     """Dynamo's graph and example inputs for ``model(*inputs)`` (the graph a backend gets)."""

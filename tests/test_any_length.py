@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import D4_EXTENDED, grad_error
+from tests.helpers import D4_EXTENDED, HF_SMALL, grad_error
 from tspc.launch import spawn
 from tspc.runtime.zigzag import (
     drop_padding,
@@ -252,17 +252,7 @@ def test_reference_model_any_length_matches_one_process(world):
 
 # --------------------------------------------------------------------------- gloo: transformers
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    use_cache=False,
-)
+SMALL = HF_SMALL
 
 
 def llama_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import D4_EXTENDED
+from tests.helpers import D4_EXTENDED, HF_SMALL
 from tspc.ops import zigzag_attention as zz
 from tspc.runtime.zigzag import local_valid, padded_length, zigzag_slice
 
@@ -209,16 +209,7 @@ def test_rows_of_an_arbitrary_mask_run_exactly(monkeypatch, world, n):
 
 # --------------------------------------------------------------------------- graphs (fake group)
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    use_cache=False,
-)
+SMALL = {k: v for k, v in HF_SMALL.items() if k != "pad_token_id"}
 
 
 def _model(family, attn="sdpa", **config):

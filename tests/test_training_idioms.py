@@ -14,21 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import helpers
 from tests.helpers import D4_EXTENDED
 from tspc.launch import spawn
 
-HF_SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    use_cache=False,
-)
+# no num_key_value_heads: each family's own default (Phi-3: as many as the query heads)
+HF_SMALL = {
+    **{k: v for k, v in helpers.HF_SMALL.items() if k != "num_key_value_heads"},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 class OutsideGPT(torch.nn.Module):
