@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape
 
-_CASTS = ("to", "float", "type_as", "half", "bfloat16", "contiguous")
+_CASTS = ("to", "type", "float", "type_as", "half", "bfloat16", "contiguous")
 # the scale of the scores; in place too (Falcon's ``scores /= sqrt(d)``: its only user)
 _SCALES = ("mul", "div", "mul_", "div_")
 

@@ -269,6 +269,13 @@ class _HeadPlan:
                     "out as pow/mean/rsqrt, as OLMo-2 does, the statistics are summed per group)"
                 )
             return sh
+        if name in ("view_as_complex", "view_as_real"):
+            # the last dim's pairs as complex numbers and back (Llama-4's RoPE): the other
+            # dims keep their places
+            sh = self.layout[x]
+            if name == "view_as_complex" and sh.dim == len(shape(x)) - 1:
+                raise _NotHeadLocal(f"'{node.name}' pairs values across heads")
+            return sh
         if name == "stack":
             # A new dim inserted into values of one head layout (RoPE by rotate-every-two:
             # ``stack((-x2, x1), -1).flatten(-2)``): heads stay where they were, one further

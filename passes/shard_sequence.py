@@ -774,6 +774,22 @@ class _Propagator:
 
     rule_reshape_as = rule_view_as
 
+    def rule_view_as_complex(self, node):
+        # pairs of the last dim become one complex number (Llama-4's RoPE): every other dim
+        # keeps its place, so tokens stay independent unless the sequence is that last dim
+        sh = self.L(node.args[0])
+        if not isinstance(sh, Sharded) or sh.dim >= len(shape(node)):
+            return False
+        self.layout[node] = sh
+        return None
+
+    def rule_view_as_real(self, node):
+        sh = self.L(node.args[0])
+        if not isinstance(sh, Sharded):
+            return False
+        self.layout[node] = sh  # a trailing pair dim is added after every other dim
+        return None
+
     def rule_unflatten(self, node):
         x = node.args[0]
         sh = self.L(x)

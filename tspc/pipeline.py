@@ -130,8 +130,10 @@ def run_pipeline(
     snap("analyse")
     eager = canonicalize_eager_attention(gm)
     for e in eager:
-        if not e.replaced:
-            report.notes.append(f"eager attention in {e.module} left as is: {e.reason}")
+        if not e.replaced:  # an entry, so that no attention is silently left out
+            report.entries.append(
+                ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
+            )
     snap("canonicalize_attention")
     masks = classify_masks(gm)
     report.masks = [vars(m) for m in masks]
