@@ -128,17 +128,59 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
     return []
 
 
+_VIEW_NAMES = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "t",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "narrow",
+        "select",
+        "getitem",
+        "as_strided",
+        "view_as",
+        "reshape_as",
+        "expand_as",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "unfold",
+        "split",
+        "chunk",
+    }
+)
+
+
+def _write_is_live(n: fx.Node) -> bool:
+    """Whether the in-place write ``n`` can matter: it writes a graph input, a value that may
+    alias another (a view: conservative), or a value something besides in-place writes reads.
+    A write into a value nobody reads is dead (after canonicalize_attention replaced an eager
+    attention, Falcon's ``scores /= c`` kept the unused ``q @ k^T`` and its K gather alive)."""
+    for a in mutated_args(n):
+        if a.op == "placeholder" or op_name(a) in _VIEW_NAMES:
+            return True
+        if any(u is not n and not mutated_args(u) for u in a.users):
+            return True
+    return False
+
+
 def has_side_effects(n: fx.Node) -> bool:
-    """fx's notion of impure, plus in-place writes: fx counts ``x.add_(y)`` (a method call)
-    as pure, so its dead-code elimination drops an in-place accumulation whose result is not
-    used — transformers' MoE blocks add the routed experts into the shared expert's output
+    """fx's notion of impure, plus live in-place writes: fx counts ``x.add_(y)`` (a method
+    call) as pure, so its dead-code elimination drops an in-place accumulation whose result is
+    not used — transformers' MoE blocks add the routed experts into the shared expert's output
     that way."""
     try:
         if n.is_impure():
             return True
     except Exception:  # noqa: BLE001 - an op fx cannot classify: keep it
         return True
-    return bool(mutated_args(n))
+    return bool(mutated_args(n)) and _write_is_live(n)
 
 
 def eliminate_dead_code(graph: fx.Graph) -> bool:

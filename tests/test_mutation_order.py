@@ -36,6 +36,32 @@ def test_dead_code_elimination_keeps_in_place_writes():
         torch.testing.assert_close(got, want)
 
 
+def test_a_write_into_a_value_nobody_reads_is_dead():
+    """Falcon's eager ``scores /= c`` once canonicalize_attention has replaced the attention:
+    the in-place write must not keep the unused ``q @ k^T`` (and, sharded, its K gather)."""
+
+    def f(q, k, x):
+        scores = q @ k.transpose(-1, -2)
+        scores.div_(2.0)  # into a value nothing reads: dead with it
+        kept = x * 2
+        kept.add_(1.0)  # into a value the output reads: live
+        return q + 1, kept
+
+    q, k, x = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(3)
+    gm, inputs = capture(f, q, k, x)  # Dynamo's placeholder order (k before q here)
+    expected = f(q, k, x)
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+    names = [
+        n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        for n in gm.graph.nodes
+    ]
+    assert "div_" not in names and "matmul" not in names and "transpose" not in names, names
+    assert "add_" in names, names
+    for got, want in zip(gm(*inputs), expected):
+        torch.testing.assert_close(got, want)
+
+
 def test_mutated_args_of_each_in_place_form():
     def f(x, idx, v):
         a = x.clone()
