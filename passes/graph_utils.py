@@ -158,12 +158,13 @@ _VIEW_NAMES = frozenset(
 
 
 def _write_is_live(n: fx.Node) -> bool:
-    """Whether the in-place write ``n`` can matter: it writes a graph input, a value that may
-    alias another (a view: conservative), or a value something besides in-place writes reads.
-    A write into a value nobody reads is dead (after canonicalize_attention replaced an eager
-    attention, Falcon's ``scores /= c`` kept the unused ``q @ k^T`` and its K gather alive)."""
+    """Whether the in-place write ``n`` can matter: it writes a graph input or attribute (a
+    module buffer), a value that may alias another (a view: conservative), or a value something
+    besides in-place writes reads. A write into a value nobody reads is dead (after
+    canonicalize_attention replaced an eager attention, Falcon's ``scores /= c`` kept the unused
+    ``q @ k^T`` and its K gather alive)."""
     for a in mutated_args(n):
-        if a.op == "placeholder" or op_name(a) in _VIEW_NAMES:
+        if a.op in ("placeholder", "get_attr") or op_name(a) in _VIEW_NAMES:
             return True
         if any(u is not n and not mutated_args(u) for u in a.users):
             return True
