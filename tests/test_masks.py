@@ -46,6 +46,33 @@ def _docs(b, n, lengths_per_row):
     return ids
 
 
+def _check_ranks_against_dense(q, k, v, ref, world, n, attend):
+    """Each rank's zigzag queries through ``attend(ql, kk, vv, r)`` against the dense
+    reference ``ref``: outputs and query gradients on the rank's real rows, key/value
+    gradients summed over the ranks."""
+    go = torch.randn_like(ref)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
+    p = padded_length(n, world) if world > 1 else n
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(world):
+        real = local_valid(n, r, world) if world > 1 else torch.ones(n, dtype=torch.bool)
+
+        def cut(x, r=r):
+            return zigzag_slice(x, 2, r, world, padded=p) if world > 1 else x
+
+        ql = cut(q.detach()).requires_grad_()
+        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out = attend(ql, kk, vv, r)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out[:, :, real], cut(ref)[:, :, real], atol=2e-6, rtol=1e-5)
+        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), cut(go) * real[:, None])
+        torch.testing.assert_close(a[:, :, real], cut(gq)[:, :, real], atol=5e-6, rtol=1e-5)
+        dk += bk
+        dv += bv
+    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+
+
 def _check_kernel(world, n, window, doc_ids, key_padding, kv_heads=2, hq=4, d=8, b=2):
     torch.manual_seed(0)
     q = torch.randn(b, hq, n, d, requires_grad=True)
@@ -60,28 +87,12 @@ def _check_kernel(world, n, window, doc_ids, key_padding, kv_heads=2, hq=4, d=8,
     ref = F.scaled_dot_product_attention(
         q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask
     ).nan_to_num()
-    go = torch.randn_like(ref)
-    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
-    p = padded_length(n, world) if world > 1 else n
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(world):
-        real = local_valid(n, r, world) if world > 1 else torch.ones(n, dtype=torch.bool)
-        ql = zigzag_slice(q.detach(), 2, r, world, padded=p) if world > 1 else q.detach()
-        ql.requires_grad_()
-        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+
+    def attend(ql, kk, vv, r):
         out, _ = zz.zigzag_causal_attention(ql, kk, vv, r, world, d**-0.5, valid, window, doc_ids)
-        assert torch.isfinite(out).all()
+        return out
 
-        def cut(x, r=r):
-            return zigzag_slice(x, 2, r, world, padded=p) if world > 1 else x
-
-        torch.testing.assert_close(out[:, :, real], cut(ref)[:, :, real], atol=2e-6, rtol=1e-5)
-        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), cut(go) * real[:, None])
-        torch.testing.assert_close(a[:, :, real], cut(gq)[:, :, real], atol=5e-6, rtol=1e-5)
-        dk += bk
-        dv += bv
-    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
-    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+    _check_ranks_against_dense(q, k, v, ref, world, n, attend)
 
 
 @pytest.mark.parametrize("tile", [3, 256])
@@ -183,28 +194,15 @@ def test_rows_of_an_arbitrary_mask_run_exactly(monkeypatch, world, n):
     ref = F.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
     )
-    go = torch.randn_like(ref)
-    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
     ids = zz.documents_of_mask(mask)
     assert ids[0].tolist() == docs[0].tolist() and ids[1].tolist() == [-1] * n
-    p = padded_length(n, world) if world > 1 else n
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(world):
-        real = local_valid(n, r, world) if world > 1 else torch.ones(n, dtype=torch.bool)
 
-        def cut(x, r=r):
-            return zigzag_slice(x, 2, r, world, padded=p) if world > 1 else x
+    def attend(ql, kk, vv, r):
+        return zz.causal_attention(
+            ql, kk, vv, None, d**-0.5, r, world, doc_ids=ids, dense_mask=mask
+        )
 
-        ql = cut(q.detach()).requires_grad_()
-        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out = zz.causal_attention(ql, kk, vv, None, d**-0.5, r, world, doc_ids=ids, dense_mask=mask)
-        torch.testing.assert_close(out[:, :, real], cut(ref)[:, :, real], atol=2e-6, rtol=1e-5)
-        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), cut(go) * real[:, None])
-        torch.testing.assert_close(a[:, :, real], cut(gq)[:, :, real], atol=5e-6, rtol=1e-5)
-        dk += bk
-        dv += bv
-    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
-    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+    _check_ranks_against_dense(q, k, v, ref, world, n, attend)
 
 
 # --------------------------------------------------------------------------- graphs (fake group)
