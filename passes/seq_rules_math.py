@@ -15,6 +15,7 @@ from tspc.runtime.seq_reductions import sharded_mean, sharded_sum
 from .graph_utils import arg, replace_input, shape, tensor_val
 from .layout import Sharded, map_broadcast, map_reduce, reduced_dims
 from .seq_ops import in_table, is_first_arg_only, is_inplace, resolve
+from .seq_rules_shape import acts_along
 
 if TYPE_CHECKING:
     from .seq_propagate import SequencePropagator
@@ -67,16 +68,7 @@ def rule_elementwise(p: SequencePropagator, node: fx.Node):
     return None
 
 
-def rule_along_dim(p: SequencePropagator, node: fx.Node):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, 1, "dim")
-    if dim is None or not isinstance(sh, Sharded):
-        return False
-    if dim % len(shape(x)) == sh.dim:
-        return False
-    p.layout[node] = sh
-    return None
+rule_along_dim = acts_along(1, "dim")
 
 
 def rule_reduction(p: SequencePropagator, node: fx.Node):

@@ -218,49 +218,69 @@ def rule_getitem(p: SequencePropagator, node):
     return None
 
 
-def rule_narrow(p: SequencePropagator, node):
+def tokens_kept(p: SequencePropagator, node: fx.Node, dims) -> Sharded | None:
+    """The layout of ``node``'s first argument when the op acts only along ``dims`` (an int, a
+    list, or None for "unknown": declined) and none of them is the tokens' dimension."""
     x = node.args[0]
     sh = p.L(x)
-    dim = arg(node, 1, "dim") % len(shape(x))
-    if dim == sh.dim:
-        return False
-    p.layout[node] = sh
-    return None
+    if not isinstance(sh, Sharded) or dims is None:
+        return None
+    n = len(shape(x))
+    if sh.dim in {d % n for d in ([dims] if isinstance(dims, int) else dims)}:
+        return None
+    return sh
+
+
+def acts_along(index: int, name: str):
+    """The rule of an op that keeps its input's shape and acts along the dims given by argument
+    ``index`` / ``name`` (narrow, flip, roll, softmax, cumsum): the tokens stay split unless
+    the op acts along them."""
+
+    def rule(p: SequencePropagator, node: fx.Node):
+        sh = tokens_kept(p, node, arg(node, index, name))
+        if sh is None:
+            return False
+        p.layout[node] = sh
+        return None
+
+    return rule
+
+
+rule_narrow = acts_along(1, "dim")
+rule_flip = acts_along(1, "dims")
+rule_roll = acts_along(2, "dims")
+
+
+def _removed_dim(sh: Sharded, dim: int, ndim: int) -> Sharded:
+    """``sh`` after dimension ``dim`` (not its own) is removed (select, unbind)."""
+    return sh.with_dim(sh.dim - (1 if dim % ndim < sh.dim else 0))
 
 
 def rule_select(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, 1, "dim") % len(shape(x))
-    if dim == sh.dim:
+    dim = arg(node, 1, "dim")
+    sh = tokens_kept(p, node, dim)
+    if sh is None:
         return False
-    p.layout[node] = sh.with_dim(sh.dim - (1 if dim < sh.dim else 0))
+    p.layout[node] = _removed_dim(sh, dim, len(shape(node.args[0])))
     return None
 
 
-def _split(p: SequencePropagator, node, dim_index: int, default_dim=0):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, dim_index, "dim", default_dim) % len(shape(x))
-    if dim == sh.dim:
+def rule_split(p: SequencePropagator, node):
+    sh = tokens_kept(p, node, arg(node, 2, "dim", 0))
+    if sh is None:
         return False
     n_out = len(node.meta.get("val", node.meta.get("example_value")))
     p.layout[node] = tuple([sh] * n_out)
     return None
 
 
-def rule_split(p: SequencePropagator, node):
-    return _split(p, node, 2)
-
-
 def rule_unbind(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, 1, "dim", 0) % len(shape(x))
-    if dim == sh.dim:
+    dim = arg(node, 1, "dim", 0)
+    sh = tokens_kept(p, node, dim)
+    if sh is None:
         return False
-    n_out = shape(x)[dim]
-    p.layout[node] = tuple([sh.with_dim(sh.dim - (1 if dim < sh.dim else 0))] * n_out)
+    x_shape = shape(node.args[0])
+    p.layout[node] = tuple([_removed_dim(sh, dim, len(x_shape))] * x_shape[dim])
     return None
 
 
@@ -355,10 +375,8 @@ def rule_repeat(p: SequencePropagator, node):
 
 
 def rule_repeat_interleave(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, 2, "dim")
-    if dim is None or dim % len(shape(x)) == sh.dim or not isinstance(arg(node, 1, "repeats"), int):
+    sh = tokens_kept(p, node, arg(node, 2, "dim"))
+    if sh is None or not isinstance(arg(node, 1, "repeats"), int):
         return False
     p.layout[node] = sh
     return None
@@ -373,36 +391,9 @@ def rule_tril(p: SequencePropagator, node):
     return None
 
 
-def rule_flip(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dims = arg(node, 1, "dims")
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    if sh.dim in {d % len(shape(x)) for d in dims}:
-        return False
-    p.layout[node] = sh
-    return None
-
-
-def rule_roll(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dims = arg(node, 2, "dims")
-    if dims is None:
-        return False
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    if sh.dim in {d % len(shape(x)) for d in dims}:
-        return False
-    p.layout[node] = sh
-    return None
-
-
 def rule_index_select(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    dim = arg(node, 1, "dim") % len(shape(x))
-    idx = arg(node, 2, "index")
-    if not isinstance(sh, Sharded) or dim == sh.dim or isinstance(p.L(idx), Sharded):
+    sh = tokens_kept(p, node, arg(node, 1, "dim"))
+    if sh is None or isinstance(p.L(arg(node, 2, "index")), Sharded):
         return False
     p.layout[node] = sh
     return None
