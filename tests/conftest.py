@@ -8,6 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Multi-process tests reuse their worker processes between tests of the same world size
+# (tspc/launch.py): a new worker's imports cost more than most tests' work.
+os.environ.setdefault("TSPC_SPAWN_POOL", "1")
+
 
 @pytest.fixture
 def fake_group():

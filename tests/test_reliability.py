@@ -153,7 +153,7 @@ def peer_worker(rank: int, world: int, mode: str) -> dict:
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_dead_or_stalled_peer_raises_naming_the_collective_and_layer(mode):
     with pytest.raises(WorkerError) as info:
-        spawn(peer_worker, 2, mode, timeout=90)
+        spawn(peer_worker, 2, mode, timeout=90, fresh=True)  # a rank dies or stalls
     text = str(info.value)
     # the surviving rank fails fast, with the collective and the layer named
     assert "SURVIVOR after" in text, text
