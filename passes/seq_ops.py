@@ -23,10 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from tspc.ops.zigzag_attention import causal_attention
-
-# torch.Tag and OpOverload are public API; the classes live in torch._ops.
-_OpOverload = torch._ops.OpOverload
-_OpOverloadPacket = torch._ops.OpOverloadPacket
+from tspc.runtime.compat import TORCH_C_NAMESPACES, OpOverload
 
 # Token-wise math: every output element depends on the same position of every operand
 # (operands broadcast). In-place spellings (``add_``, ``operator.iadd``) are included.
@@ -80,8 +77,7 @@ _NAMESPACES = (
     F,
     torch.Tensor,
     torch.special,
-    torch._C._nn,
-    torch._C,
+    *TORCH_C_NAMESPACES,
     torch.amp.autocast_mode,
     operator,
 )
@@ -122,7 +118,7 @@ def op_key(node: fx.Node) -> object | None:
     method a ``call_method`` names, or the packet of an ``OpOverload``."""
     if node.op == "call_function":
         t = node.target
-        return t.overloadpacket if isinstance(t, _OpOverload) else t
+        return t.overloadpacket if isinstance(t, OpOverload) else t
     if node.op == "call_method":
         return getattr(torch.Tensor, node.target, None)
     return None
@@ -141,7 +137,7 @@ def is_elementwise(node: fx.Node) -> bool:
     if in_table(node, ELEMENTWISE):
         return True
     t = node.target if node.op == "call_function" else None
-    return isinstance(t, _OpOverload) and torch.Tag.pointwise in t.tags
+    return isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags
 
 
 def is_first_arg_only(node: fx.Node) -> bool:

@@ -97,3 +97,51 @@ def compile_reference_step(**model_kw):
     out.float().sum().backward()
     (cg,) = COMPILED
     return cg
+
+
+def zigzag_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -> None:
+    """Each rank's zigzag causal attention (queries padded to P when n does not split into 2D
+    chunks, keys of the true length) against dense causal SDPA of the whole sequence, forward
+    and backward: real rows equal it, padded rows are finite and get no gradient, and the
+    ranks' key/value gradients sum to the dense ones."""
+    import torch.nn.functional as F
+
+    from tspc.ops import zigzag_attention as zz
+    from tspc.runtime.zigzag import local_valid, padded_length, zigzag_slice
+
+    torch.manual_seed(0)
+    b, hq, d = 2, 4, 8
+    q = torch.randn(b, hq, n, d, requires_grad=True)
+    k = torch.randn(b, kv_heads, n, d, requires_grad=True)
+    v = torch.randn(b, kv_heads, n, d, requires_grad=True)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
+    valid = None
+    if key_padding:
+        valid = torch.ones(b, n, dtype=torch.bool)
+        valid[0, :3] = False  # rows that see no key
+        mask = mask & valid[:, None, None, :]
+    rep = hq // kv_heads
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask
+    ).nan_to_num()
+    go = torch.randn_like(ref)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
+    p = padded_length(n, world)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(world):
+        real = local_valid(n, r, world)
+        ql = zigzag_slice(q.detach(), 2, r, world, padded=p).requires_grad_()
+        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out, _ = zz.zigzag_causal_attention(ql, kk, vv, r, world, d**-0.5, valid)
+        assert torch.isfinite(out).all()
+        want = zigzag_slice(ref, 2, r, world, padded=p)
+        torch.testing.assert_close(out[:, :, real], want[:, :, real], atol=5e-6, rtol=1e-5)
+        grad_local = zigzag_slice(go, 2, r, world, padded=p) * real[:, None]
+        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), grad_local)
+        want_q = zigzag_slice(gq, 2, r, world, padded=p)
+        torch.testing.assert_close(a[:, :, real], want_q[:, :, real], atol=5e-6, rtol=1e-5)
+        assert (a[:, :, ~real] == 0).all()
+        dk += bk
+        dv += bv
+    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)

@@ -27,6 +27,7 @@ import torch.fx as fx
 from tspc.passes.analyse import analyse
 from tspc.passes.specialize import specialize
 from tspc.runtime import comm
+from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
@@ -218,7 +219,7 @@ def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
     Inputs without a Dynamo source would otherwise get symbolic sizes from the shape
     environment aot_autograd shares with Dynamo; the passes specialised every shape.
     """
-    ctx = torch._guards.TracingContext.try_get()
+    ctx = tracing_context()
     fake_mode = getattr(ctx, "fake_mode", None)
     if fake_mode is None:
         return inputs
