@@ -68,3 +68,20 @@ def partitioner_without_cse():
     from torch._functorch import config
 
     return config.patch(cse=False)
+
+
+def current_dynamo_compile_id():
+    """Dynamo's id of the frame compile in progress ("0/1": frame 0, its first recompile), or
+    None outside one (``torch._guards.CompileContext``, private in 2.13): tspc's compile log
+    names it so a line matches Dynamo's own ``TORCH_LOGS=recompiles`` output."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+def dynamo_counters():
+    """Dynamo's process-wide counters (``torch._dynamo.utils.counters``, a
+    ``defaultdict(Counter)``): tspc adds its own compile counts under ``"tspc"``."""
+    from torch._dynamo.utils import counters
+
+    return counters

@@ -20,6 +20,8 @@ Both aot variants run the overlap scheduler on the forward and the backward grap
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,8 @@ from tspc.runtime.comm import START_KIND, WAIT_OPS
 from tspc.runtime.compat import joint_graph_cse, partitioner_without_cse
 
 from .options import TSPOptions
+
+compile_log = logging.getLogger("tspc.compiles")
 
 _RECOMPUTE_STARTS = (
     torch.ops.tspc.broadcast_start.default,
@@ -261,6 +265,9 @@ class AotGraphs:
     # Dump hook (tspc/dump.py): wraps the backward once aot_autograd compiles it, lazily at the
     # first backward call, so the dump can add the backward graph and what it communicated.
     on_backward_compiled: Callable[[Callable], Callable] | None = None
+    # seconds spent in the inner compiler per graph ("forward", "backward"), added to the
+    # compile record of this graph (``tspc/compiles.py``); shared with the report
+    compile_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _with_timeout(fn: Callable, seconds: float) -> Callable:
@@ -286,6 +293,18 @@ def compile_inner(
 
     def make(kind: str):
         def compiler(g: fx.GraphModule, ex):
+            t0 = time.perf_counter()
+            fn = compile_one(g, ex)
+            graphs.compile_seconds[kind] = time.perf_counter() - t0
+            if kind == "backward":
+                compile_log.info(
+                    "tspc: backward of the latest graph compiled in %.2f s (%s)",
+                    graphs.compile_seconds[kind],
+                    opts.inner,
+                )
+            return fn
+
+        def compile_one(g: fx.GraphModule, ex):
             if opts.overlap:
                 schedule_overlap(g)
             (graphs.forward if kind == "forward" else graphs.backward).append(g.code)
