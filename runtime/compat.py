@@ -85,3 +85,13 @@ def dynamo_counters():
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def global_state_snapshot():
+    """Dynamo's snapshot of the global state its graphs depend on (grad mode, autocast,
+    deterministic algorithms, default dtype, ...): ``.check()`` is True while it is unchanged
+    (``torch._C._dynamo.guards.GlobalStateGuard``, private in 2.13). A compiled graph is reused
+    for another trace only under the state it was compiled in."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard()

@@ -110,3 +110,27 @@ def test_second_step_and_new_length_compile_once():
     assert marked["per_step"] == [1, 0, 1, 0]
     assert marked["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
     assert any("[2, 24] (was [2, 16])" in ln for ln in marked["lines"])
+
+
+def test_static_compile_is_reused_only_under_the_same_grad_mode():
+    """The first length's compile (Dynamo's static trace, made under ``no_grad``) is not reused
+    by the symbolic graph for a call with gradients: that call compiles, and its gradients
+    reach the weights (one process, D = 1)."""
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+
+    model = build_reference_model(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2
+    )
+    cm = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
+    first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+    with torch.no_grad():
+        for s in (16, 24, 16):  # static 16, symbolic 24, 16 again: reused (same grad mode)
+            cm(torch.randint(0, 256, (2, s)))
+    assert len(compiles.events(first)) == 2
+    # Dynamo traces again for grad mode (symbolic at once); tspc compiles that graph rather than
+    # reusing the no_grad compile of the same signature
+    cm(torch.randint(0, 256, (2, 16))).float().sum().backward()
+    kinds = [e.kind for e in compiles.events(first)]
+    assert kinds == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SYMBOLIC_GRAPH]
+    assert model.lm_head.weight.grad is not None

@@ -31,7 +31,11 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from tspc.runtime.compat import current_dynamo_compile_id, dynamo_counters
+from tspc.runtime.compat import (
+    current_dynamo_compile_id,
+    dynamo_counters,
+    global_state_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +164,10 @@ def graph_signature(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple | No
 
 
 # (signature, group and options) -> (a weak reference to the compiled static graph, its
-# placeholders' names, its graph id). Weak: a graph Dynamo drops (``torch._dynamo.reset()``, a
-# model that goes away) is not kept alive here and is not reused.
-STATIC: dict[tuple, tuple[weakref.ref, tuple[str, ...], int]] = {}
+# placeholders' names, its graph id, the global state it was compiled in). Weak: a graph Dynamo
+# drops (``torch._dynamo.reset()``, a model that goes away) is not kept alive here and is not
+# reused.
+STATIC: dict[tuple, tuple[weakref.ref, tuple[str, ...], int, Any]] = {}
 
 
 def reuse_for(
@@ -177,7 +182,7 @@ def reuse_for(
     except TypeError:  # an unhashable option value
         return None
     fn = found[0]() if found is not None else None
-    if fn is None:
+    if fn is None or not found[3].check():  # gone, or grad mode / autocast / ... differ
         return None
     positions = {n: i for i, n in enumerate(names)}
     if not all(n in positions for n in found[1]):
@@ -195,6 +200,11 @@ def remember_static(
     for k in [k for k, v in STATIC.items() if v[0]() is None]:
         del STATIC[k]
     try:
-        STATIC[(signature, key_extra)] = (weakref.ref(fn), tuple(names), graph_id)
+        STATIC[(signature, key_extra)] = (
+            weakref.ref(fn),
+            tuple(names),
+            graph_id,
+            global_state_snapshot(),
+        )
     except TypeError:  # an unhashable option value, or a callable without weak references
         return
