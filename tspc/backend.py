@@ -383,8 +383,8 @@ class _PerShapeCompiler:
                 if reused is not None:
                     fn, graph_id = reused
                     compiles.log.info(
-                        "tspc: no compile for shape %s: the same graph compiled for Dynamo's "
-                        "static trace (graph %d) runs it",
+                        "tspc: no compile for the %s: the graph compiled for Dynamo's static "
+                        "trace of the same shapes (graph %d) runs it",
                         why[1].split(";")[0],
                         graph_id,
                     )
