@@ -134,3 +134,30 @@ def partitioner_without_cse():
     from torch._functorch import config
 
     return config.patch(cse=False)
+
+
+def current_dynamo_compile_id():
+    """Dynamo's id of the frame compile in progress ("0/1": frame 0, its first recompile), or
+    None outside one (``torch._guards.CompileContext``, private in 2.13): tspc's compile log
+    names it so a line matches Dynamo's own ``TORCH_LOGS=recompiles`` output."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+def dynamo_counters():
+    """Dynamo's process-wide counters (``torch._dynamo.utils.counters``, a
+    ``defaultdict(Counter)``): tspc adds its own compile counts under ``"tspc"``."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def global_state_snapshot():
+    """Dynamo's snapshot of the global state its graphs depend on (grad mode, autocast,
+    deterministic algorithms, default dtype, ...): ``.check()`` is True while it is unchanged
+    (``torch._C._dynamo.guards.GlobalStateGuard``, private in 2.13). A compiled graph is reused
+    for another trace only under the state it was compiled in."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard()

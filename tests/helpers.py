@@ -145,3 +145,90 @@ def zigzag_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -
         dv += bv
     torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
     torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+
+
+def _overlap_compute() -> dict:
+    """The compute a transfer can hide behind, as the scheduled aot graph names it, and the text
+    of its call in Inductor's generated Python code, after ``_mark_gemms``: GEMMs are extern
+    calls on CPU (Inductor may fold the accumulation ``y + x @ w`` into ``addmm``, so any GEMM
+    matches any GEMM); the attention is tspc's op."""
+    import tspc.backend  # noqa: F401 - registers the tspc ops
+
+    ops = torch.ops.tspc
+    return {
+        torch.ops.aten.mm.default: "GEMM:",
+        torch.ops.aten.addmm.default: "GEMM:",
+        torch.ops.aten.bmm.default: "GEMM:",
+        ops.zigzag_causal_attention.default: "torch.ops.tspc.zigzag_causal_attention.default(",
+        ops.zigzag_causal_attention_backward.default: (
+            "torch.ops.tspc.zigzag_causal_attention_backward.default("
+        ),
+    }
+
+
+def _mark_gemms(code: str) -> str:
+    """``code`` with every GEMM call prefixed ``GEMM:`` (FileCheck's ``check_regex`` searches
+    from the start of the text, not from the previous match, so alternatives are spelled out
+    this way for plain ``check``)."""
+    import re
+
+    return re.sub(r"extern_kernels\.(mm|addmm|bmm)\(", r"GEMM:extern_kernels.\1(", code)
+
+
+def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
+    """FileCheck Inductor's generated ``code`` for the scheduled graph ``gm`` it compiled: every
+    transfer's start comes before each GEMM and attention call the schedule put between that
+    start and its wait, in the schedule's order, and its wait after them. Returns the number of
+    transfers that overlap some compute in the schedule (each one checked).
+
+    A transfer is found in the code by its op and its constant arguments (the head group or
+    ring shift, the size, the group, the tag: ``..._start.default(<tensor>, 1, 1536, '0', 2,
+    'layers.0.attn')``), the k-th of equal ones in the code being the k-th in the graph, and
+    its wait by the handle variable the start's result is bound to."""
+    import re
+
+    from torch.testing import FileCheck
+
+    from tspc.runtime.comm import START_KIND, WAIT_OPS
+
+    compute = _overlap_compute()
+    marked = _mark_gemms(code)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    lines = code.splitlines()
+    aliases: dict[str, str] = {}
+    for ln in lines:  # Inductor binds an extern call's result, then re-binds it: bufB = bufA
+        m = re.fullmatch(r"\s*(buf\d+) = (buf\d+)", ln)
+        if m:
+            aliases[m.group(2)] = m.group(1)
+    seen: Counter = Counter()
+    checked = 0
+    for start in nodes:
+        if start.op != "call_function" or start.target not in START_KIND:
+            continue
+        (wait,) = [u for u in start.users if u.target in WAIT_OPS]
+        overlapped = [
+            compute[n.target]
+            for n in nodes[order[start] + 1 : order[wait]]
+            if n.op == "call_function" and n.target in compute
+        ]
+        consts = ", ".join(repr(a) for a in start.args[1:])
+        call = f"torch.ops.{start.target.namespace}.{start.target._opname}.default("
+        signature = (call, consts)
+        matches = [
+            ln.strip()
+            for ln in lines
+            if call in ln and ln.rstrip().endswith(f", {consts})") and " = " in ln
+        ]
+        line = matches[seen[signature]]
+        seen[signature] += 1
+        handle = line.split(" = ", 1)[0]
+        while handle in aliases:
+            handle = aliases[handle]
+        wait_call = f"torch.ops.tspc.{wait.target._opname}.default({handle},"
+        fc = FileCheck().check(line)
+        for c in overlapped:
+            fc = fc.check(c)
+        fc.check(wait_call).run(marked)
+        checked += bool(overlapped)
+    return checked

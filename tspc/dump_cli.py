@@ -341,6 +341,8 @@ def dump_rank(
         )
         with on_device as (target, backward):
             opts = {**options, "dump_dir": out}
+            if device == "cuda":  # fake CUDA tensors: Inductor would need a GPU toolchain
+                opts.setdefault("inner", "aot_eager")
             compiled = torch.compile(target.model, backend="tsp", options=opts)
             result = compiled(*target.args, **target.kwargs)
             if backward:
