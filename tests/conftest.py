@@ -44,9 +44,15 @@ def _reset_dynamo():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The extended tier (marker ``extended``: D = 4 repeats of feature tests, the memory
+    """Tiers. ``slow``: multi-process runs, Inductor, and every test that compiles a whole
+    model in this process (it uses the ``fake_group`` fixture: Dynamo, the passes and
+    aot_autograd, seconds each); ``-m "not slow"`` is the pass-level tier on small traced
+    graphs. The extended tier (marker ``extended``: D = 4 repeats of feature tests, the memory
     bench's quick run) runs only with TSPC_EXTENDED=1, so the README's test command stays within
     its time budget; see README "Testing"."""
+    for item in items:
+        if "fake_group" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("TSPC_EXTENDED") == "1":
         return
     skip = pytest.mark.skip(reason="extended tier: TSPC_EXTENDED=1 python -m pytest -m extended")

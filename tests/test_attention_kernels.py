@@ -91,6 +91,7 @@ def test_cuda_kernels_on_fake_cuda(dtype, kv_heads, padding, kernel):
     assert torch.ops.aten.repeat_interleave.Tensor not in ops
 
 
+@pytest.mark.slow
 def test_gqa_does_not_materialise_repeated_kv():
     """8 query heads per KV head: the old kernel's repeat_interleave made 8x copies of K and V
     (2 x 4 MiB here, 24 MiB with its gradients); forward and backward now stay below the size

@@ -12,6 +12,7 @@ from samples.reference_model import build_reference_model
 from tspc.options import OptionError, TSPOptions
 
 
+@pytest.mark.slow
 def test_backend_resolves_without_importing_tspc():
     code = (
         "import sys, torch\n"
@@ -95,6 +96,7 @@ def test_a_new_scalar_value_does_not_recompile_a_dynamic_graph():
     assert len(tspc.report.reports_after(before)) == 2
 
 
+@pytest.mark.slow
 def test_comm_timeout_is_the_graphs_own_not_the_process_default():
     """options={"comm_timeout": t} applies to that model's collectives only: compiling it
     leaves the process default (TSPC_COMM_TIMEOUT) alone, and the scope nests."""

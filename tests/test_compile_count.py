@@ -16,6 +16,8 @@ import torch
 
 from tspc.launch import spawn
 
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
+
 # a second step, a new length, a length seen before, the first length again (Dynamo now runs its
 # symbolic graph for it: tspc reuses the compile of Dynamo's static trace)
 LENGTHS = (16, 16, 24, 24, 16)

@@ -29,6 +29,8 @@ from tspc.dump import DUMPS
 from tspc.dump_cli import load_target
 from tspc.pipeline import PIPELINE
 
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
+
 REPO = Path(__file__).resolve().parents[1]
 REF_TARGET = f"{REPO / 'samples' / 'reference_model.py'}:build_reference_model"
 WORLD, LAYERS, SEQ, BATCH = 2, 2, 32, 2

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.test_dump import REF_TARGET, run_cli
 from tspc.device_check import has_cuda_kernel
+
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
 aten = torch.ops.aten
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 import torch
 
 from bench import gpu_check
+
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
 
 def test_gpu_check_smoke_runs_every_section_on_cpu():

@@ -13,6 +13,8 @@ from samples.reference_model import build_reference_model
 from tests.helpers import compile_reference_step, count_collectives
 from tspc.backend import COMPILED
 
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
+
 aten = torch.ops.aten
 
 

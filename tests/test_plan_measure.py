@@ -32,6 +32,8 @@ from tspc.measure import (
 from tspc.memory import MemoryTracker
 from tspc.plan import ModelShape, PlanInputs, main
 
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
+
 SMALL = ModelShape(
     hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=128, name="small"
 )

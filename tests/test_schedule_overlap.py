@@ -21,6 +21,8 @@ from tests.helpers import compile_reference_step
 from tspc.graph_comm import read_schedule
 from tspc.passes.schedule import is_heavy, transfers
 
+pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
+
 WORLD = 4
 
 
