@@ -58,7 +58,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
+from tspc.runtime.comm import (
+    START_KIND,
+    START_TO_WAIT,
+    is_transfer,
+    is_transfer_start,
+    is_transfer_wait,
+)
 from tspc.runtime.compat import OpOverload
 
 from .graph_utils import mutated_args
@@ -158,12 +164,8 @@ _HEAVY_FUNCTIONS = frozenset(
 _HEAVY_METHODS = frozenset({"matmul", "__matmul__", "mm", "bmm"})
 
 
-def _is_start(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in START_KIND
-
-
-def _is_wait(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target in WAIT_OPS
+_is_start = is_transfer_start
+_is_wait = is_transfer_wait
 
 
 def _is_view(n: fx.Node) -> bool:
@@ -200,7 +202,7 @@ def is_heavy(n: fx.Node) -> bool:
     """GEMMs and attention kernels: the compute that transfers hide behind."""
     if n.op == "call_method":
         return n.target in _HEAVY_METHODS
-    if n.op != "call_function" or n.target in START_KIND or n.target in WAIT_OPS:
+    if n.op != "call_function" or is_transfer(n):
         return False
     t = n.target
     if isinstance(t, OpOverload):

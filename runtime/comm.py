@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .counters import COUNTER
+from .counters import COUNTER, received_and_sent
 from .group import process_group
 from .zigzag import zigzag_slice, zigzag_stack_parts, zigzag_unshard
 
@@ -122,8 +122,12 @@ def _complete(handle: torch.Tensor) -> torch.Tensor:
     return pending.finish()
 
 
-def _numel_bytes(x: torch.Tensor) -> int:
-    return x.numel() * x.element_size()
+def _count(kind: str, tag: str, sent_buffer: torch.Tensor, world: int, is_root: bool = False):
+    """Count the collective by the buffer that really travels (its dtype is the wire's: an
+    fp32 accumulation copy for 16-bit sums), with the one table of ``counters.py``."""
+    message = sent_buffer.numel() * sent_buffer.element_size()
+    recv, sent = received_and_sent(kind, message, world, is_root)
+    COUNTER.record(kind, tag, recv=recv, sent=sent)
 
 
 def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
@@ -158,8 +162,7 @@ def broadcast_start(
     if is_src:
         buf.copy_(x.reshape(-1))
     work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
-    nbytes = _numel_bytes(buf)
-    COUNTER.record("broadcast", tag, recv=0 if is_src else nbytes, sent=nbytes if is_src else 0)
+    _count("broadcast", tag, buf, world, is_src)
     return _register([work], lambda: buf, "broadcast", tag, (x,))
 
 
@@ -204,10 +207,7 @@ def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) ->
     buf = _accumulation_copy(x)
     is_dst = dist.get_rank(pg) == dst
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
-    nbytes = _numel_bytes(buf)
-    COUNTER.record(
-        "reduce", tag, recv=(world - 1) * nbytes if is_dst else 0, sent=0 if is_dst else nbytes
-    )
+    _count("reduce", tag, buf, world, is_dst)
 
     def finish():
         # Non-destination ranks hold no gradient for this shard: return zeros, not the
@@ -251,8 +251,7 @@ def all_gather_start(
     xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
     out = xc.new_empty((world, *x.shape))
     work = dist.all_gather_single(out, xc, group=pg, async_op=True)
-    nbytes = _numel_bytes(xc)
-    COUNTER.record("all_gather", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
+    _count("all_gather", tag, xc, world)
     return _register(
         [work], lambda: zigzag_unshard(out, dim, world, outer, inner), "all_gather", tag, (x, xc)
     )
@@ -320,8 +319,7 @@ def reduce_scatter_start(
     parts = _accumulation_copy(zigzag_stack_parts(x, dim, world, outer, inner))
     out = parts.new_empty((1, *parts.shape[1:]))
     work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
-    nbytes = _numel_bytes(out)
-    COUNTER.record("reduce_scatter", tag, recv=(world - 1) * nbytes, sent=(world - 1) * nbytes)
+    _count("reduce_scatter", tag, out, world)
     return _register([work], lambda: out[0].to(x.dtype), "reduce_scatter", tag, (x, parts))
 
 
@@ -364,8 +362,7 @@ def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) ->
         dist.P2POp(dist.irecv, buf, group=pg, group_peer=(rank - shift) % world),
     ]
     works = dist.batch_isend_irecv(ops)
-    nbytes = _numel_bytes(xc)
-    COUNTER.record("ring", tag, recv=nbytes, sent=nbytes)
+    _count("ring", tag, xc, world)
     return _register(works, lambda: buf, "ring", tag, (x, xc))
 
 
@@ -396,8 +393,7 @@ def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str)
     pg = process_group(group)
     buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
-    nbytes = _numel_bytes(buf) * 2 * (world - 1) // world
-    COUNTER.record("all_reduce", tag, recv=nbytes, sent=nbytes)
+    _count("all_reduce", tag, buf, world)
     return _register([work], lambda: buf.to(x.dtype), "all_reduce", tag, (x,))
 
 
@@ -465,6 +461,20 @@ START_KIND = {
     torch.ops.tspc.all_reduce_start.default: "all_reduce",
 }
 WAIT_OPS = frozenset(START_TO_WAIT.values())
+
+
+def is_transfer_start(node) -> bool:
+    """An FX node that starts one of tspc's collectives (its wait is ``START_TO_WAIT``)."""
+    return node.op == "call_function" and node.target in START_KIND
+
+
+def is_transfer_wait(node) -> bool:
+    return node.op == "call_function" and node.target in WAIT_OPS
+
+
+def is_transfer(node) -> bool:
+    """The one predicate for "this node is a collective" (a start or a wait) in a graph."""
+    return is_transfer_start(node) or is_transfer_wait(node)
 
 
 # --------------------------------------------------------------------------- synchronous helpers

@@ -13,7 +13,14 @@ backend implements a collective:
 * ring (point-to-point hop) — the receiver receives the buffer once.
 * all_reduce — 2(D-1)/D of the buffer (a bandwidth-optimal reduce-scatter + all-gather).
 
-``sent`` mirrors ``recv`` from the sender's side.
+``sent`` mirrors ``recv`` from the sender's side. Sums (reduce, reduce_scatter, all_reduce
+with op "sum") of fp16/bf16 values move fp32: the runtime reduces 16-bit gradients in fp32
+(``runtime/comm.py``'s accumulation copy), so their bytes are twice the values' dtype.
+
+This is the one table of those rules (``message_bytes``, ``received_and_sent``): the runtime's
+counters apply it to the buffers it really sends, the graph analysis of ``tspc dump`` to the
+fake arguments of a rewritten graph. The planner's per-layer figures are the paper's formulas
+(``PAPER_NOTES.md``), the independent reference the tests hold both against.
 """
 
 from __future__ import annotations
@@ -22,7 +29,41 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 KINDS = ("broadcast", "all_gather", "ring", "reduce", "reduce_scatter", "all_reduce")
+_SUMS = ("reduce", "reduce_scatter", "all_reduce")
+
+
+def wire_dtype(kind: str, dtype: torch.dtype, op: str = "sum") -> torch.dtype:
+    """The dtype a collective moves values of ``dtype`` in (16-bit sums travel as fp32)."""
+    if kind in _SUMS and op == "sum" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
+
+
+def message_bytes(kind: str, numel: int, dtype: torch.dtype, world: int, op: str = "sum") -> int:
+    """Bytes of one rank's message: the buffer (broadcast, reduce, ring, all_reduce), one
+    rank's input (all_gather), or one rank's part of the input (reduce_scatter)."""
+    size = torch.empty((), dtype=wire_dtype(kind, dtype, op)).element_size()
+    return (numel // world if kind == "reduce_scatter" else numel) * size
+
+
+def received_and_sent(kind: str, message: int, world: int, is_root: bool = False) -> tuple:
+    """(received, sent) bytes of one rank for one collective of ``message`` bytes; ``is_root``:
+    this rank is the broadcast's source or the reduce's destination."""
+    if kind == "broadcast":
+        return (0, message) if is_root else (message, 0)
+    if kind == "reduce":
+        return ((world - 1) * message, 0) if is_root else (0, message)
+    if kind in ("all_gather", "reduce_scatter"):
+        return (world - 1) * message, (world - 1) * message
+    if kind == "ring":
+        return message, message
+    if kind == "all_reduce":
+        both = message * 2 * (world - 1) // world
+        return both, both
+    raise ValueError(f"unknown collective kind {kind!r}")
 
 
 @dataclass

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
+from tspc.runtime.comm import START_KIND, START_TO_WAIT, is_transfer_start, is_transfer_wait
 from tspc.runtime.compat import OpOverload
-from tspc.runtime.counters import KINDS
+from tspc.runtime.counters import KINDS, message_bytes, received_and_sent
 
 # Ops that do the work a transfer should hide behind: GEMMs and attention kernels.
 _HEAVY = re.compile(
@@ -139,9 +139,9 @@ def _op_name(target) -> str:
 
 
 def _role(n: fx.Node) -> str:
-    if n.target in START_KIND:
+    if is_transfer_start(n):
         return "start"
-    if n.target in WAIT_OPS:
+    if is_transfer_wait(n):
         return "wait"
     if n.target in _FREE_FUNCTIONS or getattr(n.target, "is_view", False):
         return "view"
@@ -171,24 +171,15 @@ def _fake(v) -> torch.Tensor:
 
 
 def recv_bytes(kind: str, args: dict, rank: int) -> int:
-    """Bytes this rank receives for one collective (module docstring); ``args`` are the start
-    op's arguments, tensors given as (fake) tensors."""
+    """Bytes this rank receives for one collective (``runtime/counters.py``'s table); ``args``
+    are the start op's arguments, tensors given as (fake) tensors."""
     x = args["x"]
-    size = x.element_size()
     world = int(args["world"])
-    if kind == "broadcast":
-        return 0 if rank == args["src"] else int(args["numel"]) * size
-    if kind == "reduce":
-        return (world - 1) * x.numel() * size if rank == args["dst"] else 0
-    if kind == "all_gather":
-        return (world - 1) * x.numel() * size
-    if kind == "reduce_scatter":
-        return (world - 1) * (x.numel() // world) * size
-    if kind == "ring":
-        return x.numel() * size
-    if kind == "all_reduce":
-        return x.numel() * size * 2 * (world - 1) // world
-    raise ValueError(f"unknown collective kind {kind!r}")
+    numel = int(args["numel"]) if kind == "broadcast" else x.numel()
+    root = {"broadcast": "src", "reduce": "dst"}.get(kind)
+    is_root = root is not None and rank == args[root]
+    message = message_bytes(kind, numel, x.dtype, world, args.get("op", "sum"))
+    return received_and_sent(kind, message, world, is_root)[0]
 
 
 _DTYPE_SHORT = {

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from tspc.passes.schedule import is_view_or_pack, schedule_overlap
 from tspc.runtime import comm
-from tspc.runtime.comm import START_KIND, WAIT_OPS
+from tspc.runtime.comm import is_transfer, is_transfer_wait
 from tspc.runtime.compat import joint_graph_cse, partitioner_without_cse
 
 from .options import TSPOptions
@@ -183,8 +183,7 @@ def tsp_partition(joint_module: fx.GraphModule, joint_inputs, **kwargs):
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
-def _is_collective(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target in START_KIND or n.target in WAIT_OPS)
+_is_collective = is_transfer
 
 
 class _Segments:
@@ -249,7 +248,7 @@ def split_addmm_across_waits(graph: fx.Graph) -> int:
     are ready, and the add where it was. Returns the number split."""
     aten = torch.ops.aten
     order = {n: i for i, n in enumerate(graph.nodes)}
-    waits = [n for n in graph.nodes if n.op == "call_function" and n.target in WAIT_OPS]
+    waits = [n for n in graph.nodes if is_transfer_wait(n)]
     split = 0
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not aten.addmm.default or n.kwargs:
