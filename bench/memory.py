@@ -6,7 +6,7 @@
 
 One model, one sequence length, one table per configuration and mode. Every row is a real
 gloo run (``tspc.launch.spawn``, one intra-op thread per process) of the reference model
-wrapped with its cross-entropy loss (``tspc.measure.LossModel``: the loss is part of the
+wrapped with its cross-entropy loss (``tspc.tools.measure.LossModel``: the loss is part of the
 compiled program, so TSP and SP reduce it over their local tokens instead of gathering logits):
 
 * ``one process (aot_eager)``: the model compiled with ``backend="aot_eager"`` on one process.
@@ -21,7 +21,7 @@ compiled program, so TSP and SP reduce it over their local tokens instead of gat
   (colwise/rowwise; plus ``SequenceParallel`` norms and sequence-sharded residuals for TP+SP),
   compiled with ``aot_eager`` (``--baseline-backend eager`` runs them uncompiled).
 
-Measurement (``tspc.memory``): a ``MemoryTracker`` is started *before* the model is built, so
+Measurement (``tspc.tools.memory``): a ``MemoryTracker`` is started *before* the model is built, so
 every CPU allocation of the process is seen — weights (including full weights a backend keeps
 or releases), shards, gradients, optimizer state, activations, communication buffers. The
 first two steps warm up (the first compiles and creates the optimizer state; TSP's release of
@@ -214,7 +214,7 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
     """The (loss-wrapped) model and the callable a step runs."""
     from bench.baselines import build_tp, build_tp_sp
     from samples.reference_model import build_reference_model
-    from tspc.measure import LossModel
+    from tspc.tools.measure import LossModel
 
     recompute = job.scheme.endswith(RECOMPUTE_SUFFIX)
     scheme = job.scheme.removesuffix(RECOMPUTE_SUFFIX)
@@ -260,8 +260,8 @@ def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
 def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank's measured step (a ``spawn`` worker: returns plain data)."""
     import tspc
-    from tspc.measure import is_matched_param, shards_of
-    from tspc.memory import MemoryTracker, breakdown, storage_bytes
+    from tspc.tools.measure import is_matched_param, shards_of
+    from tspc.tools.memory import MemoryTracker, breakdown, storage_bytes
 
     torch.manual_seed(0)
     last_id = tspc.report.last_graph_id()

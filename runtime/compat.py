@@ -4,7 +4,7 @@ Everything tspc reads from a private torch module (``torch._ops``, ``torch._subc
 ``torch.utils._python_dispatch``, ``torch.fx._lazy_graph_module``, ``torch._C``, ...) is
 imported or called here, so a torch upgrade that moves one breaks one file. The aot/Inductor
 entry points of the inner compiler and the tools' profiler internals are the two other places
-(``tspc/inner.py``, ``tspc/memory.py``), each import commented.
+(``tspc/inner.py``, ``tspc/tools/memory.py``), each import commented.
 """
 
 from __future__ import annotations

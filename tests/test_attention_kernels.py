@@ -54,8 +54,8 @@ def test_gpu_code_paths_match_dense_causal_on_cpu(
 
 def _fake_cuda_ops(dtype, kv_heads, padding, head_dim=64, world=2, s=64):
     """The aten ops the zigzag kernel's forward and backward call on fake CUDA tensors."""
-    from tspc import device_check, fake_cuda
     from tspc.runtime.compat import fake_tensor_mode
+    from tspc.tools import device_check, fake_cuda
 
     fake_cuda.ensure_device_guard()
     mode = fake_tensor_mode()
@@ -82,7 +82,7 @@ def _fake_cuda_ops(dtype, kv_heads, padding, head_dim=64, world=2, s=64):
     ],
 )
 def test_cuda_kernels_on_fake_cuda(dtype, kv_heads, padding, kernel):
-    from tspc.device_check import cpu_only_ops, kernels_named
+    from tspc.tools.device_check import cpu_only_ops, kernels_named
 
     ops = _fake_cuda_ops(dtype, kv_heads, padding)
     assert kernels_named(ops) == [kernel]
@@ -96,7 +96,7 @@ def test_gqa_does_not_materialise_repeated_kv():
     """8 query heads per KV head: the old kernel's repeat_interleave made 8x copies of K and V
     (2 x 4 MiB here, 24 MiB with its gradients); forward and backward now stay below the size
     of one repeated copy of K and V."""
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     torch.manual_seed(0)
     b, hq, hk, s, d, world = 1, 8, 1, 1024, 64, 2

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from bench.baselines import build_tp, build_tp_sp, full_parameters, param_groups
 from samples.reference_model import build_reference_model
 from tspc.launch import spawn
-from tspc.memory import MemoryTracker, breakdown, state_bytes
+from tspc.tools.memory import MemoryTracker, breakdown, state_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from tests.helpers import capture, count_collectives
-from tspc import cli
 from tspc.dump import DUMPS
-from tspc.dump_cli import load_target
 from tspc.pipeline import PIPELINE
+from tspc.tools import cli
+from tspc.tools.dump_cli import load_target
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.test_dump import REF_TARGET, run_cli
-from tspc.device_check import has_cuda_kernel
+from tspc.tools.device_check import has_cuda_kernel
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 

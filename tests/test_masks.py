@@ -472,7 +472,7 @@ def _memory_and_release_worker(rank: int, world: int) -> dict:
     (it used to crash in setStorage on the freed weights)."""
     import tspc
     import tspc.pipeline
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     out = {}
     model = _model("mistral", num_hidden_layers=1, hidden_size=32, intermediate_size=64,
@@ -522,9 +522,9 @@ def test_window_blocks_on_fake_cuda(monkeypatch, dtype, kv_heads):
     """A window on fake CUDA tensors (no GPU here): the band blocks take the memory-efficient
     kernel (a mask), the others flash where the dtype allows; no CPU-only op, forward or
     backward, and the shapes the kernels return fit (a real GPU run is still owed)."""
-    from tspc import device_check, fake_cuda
-    from tspc.device_check import cpu_only_ops, kernels_named
     from tspc.runtime.compat import fake_tensor_mode
+    from tspc.tools import device_check, fake_cuda
+    from tspc.tools.device_check import cpu_only_ops, kernels_named
 
     monkeypatch.setattr(zz, "TILE", 16)
     fake_cuda.ensure_device_guard()

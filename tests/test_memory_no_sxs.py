@@ -2,7 +2,7 @@
 
 A Hugging Face Llama builds a ``[B, 1, S, S]`` mask under torch.compile; at S = 4096 a bool mask
 alone is 16 MiB and its float scores four times that, while everything else in this tiny model
-is a few MiB. The per-rank peak, measured by the CPU allocator tracker (``tspc/memory.py``),
+is a few MiB. The per-rank peak, measured by the CPU allocator tracker (``tspc/tools/memory.py``),
 must stay far below one S x S mask. The same model with a mask the passes keep (eager attention
 with left padding, kept exact by cutting the mask's rows) shows that the measurement would see
 one.
@@ -22,7 +22,7 @@ def peak_worker(rank: int, world: int, attn: str, seq: int = S) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import tspc
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     cfg = LlamaConfig(
         vocab_size=64,

@@ -1,4 +1,4 @@
-"""tspc.memory: the CPU memory tracker sees eager, aot_eager, Inductor and collective allocations.
+"""tspc.tools.memory: the CPU memory tracker sees eager, aot_eager, Inductor and collective allocations.
 
 Sizes are exact: c10's CPU allocator reports the requested byte count (no rounding), so a
 ``torch.empty`` of N bytes moves the tracker by exactly N. Compiled graphs add their own small
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from samples.reference_model import build_reference_model
 from tspc.launch import spawn
-from tspc.memory import (
+from tspc.tools.memory import (
     MemoryTracker,
     breakdown,
     comm_region,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tspc.plan import (
+from tspc.tools.plan import (
     GB,
     PRESETS,
     ModelShape,

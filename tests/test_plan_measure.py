@@ -1,7 +1,7 @@
 """`tspc plan --measure`: the real TSP graph run on fake tensors, its live bytes counted.
 
 The counting (``FakeMemoryTracker``) is checked three ways: exact bytes on hand-made tensors;
-against the allocator-level ``tspc.memory.MemoryTracker`` on a real run of the same compiled
+against the allocator-level ``tspc.tools.memory.MemoryTracker`` on a real run of the same compiled
 step (they agree within 2%: fake tensors have no op-internal temporaries or scalar wrappers);
 and against the analytic planner under the measured step's assumptions.
 
@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from samples.reference_model import RefConfig, build_reference_model
-from tspc.measure import (
+from tspc.tools.measure import (
     CATEGORIES,
     FakeMemoryTracker,
     LossModel,
@@ -29,8 +29,8 @@ from tspc.measure import (
     measure,
     measure_rank,
 )
-from tspc.memory import MemoryTracker
-from tspc.plan import ModelShape, PlanInputs, main
+from tspc.tools.memory import MemoryTracker
+from tspc.tools.plan import ModelShape, PlanInputs, main
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
@@ -150,7 +150,7 @@ def test_installed_cli_measures_outside_the_repository(tmp_path):
     argv = ["--config", str(path), "-D", "2", "--seq", "64", "--measure", "--json"]
     argv += ["--measure-mode", "forward", "--measure-ranks", "0", "--measure-layers", "1"]
     proc = subprocess.run(
-        [sys.executable, "-m", "tspc.cli", "plan", *argv],
+        [sys.executable, "-m", "tspc.tools.cli", "plan", *argv],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -3,8 +3,8 @@
 Checked against things tspc does not compute: gradients and three AdamW steps of one process
 without tspc (real gloo runs at D = 2 and 4); the bytes a full recompute may keep per layer
 (the block input: B * S / D * h elements, plain arithmetic); and the CPU allocator's peak of a
-real gloo run (``tspc.memory.MemoryTracker``) against the fake-tensor measurement of the same
-step (``tspc.measure``).
+real gloo run (``tspc.tools.memory.MemoryTracker``) against the fake-tensor measurement of the same
+step (``tspc.tools.measure``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from samples.reference_model import RefConfig
 from tests.helpers import grad_error
 from tspc.launch import spawn
-from tspc.measure import measure, measure_rank
 from tspc.options import OptionError, TSPOptions
-from tspc.plan import ModelShape
+from tspc.tools.measure import measure, measure_rank
+from tspc.tools.plan import ModelShape
 
 # The real-vs-fake memory case: activations dominate (S = 512 tokens, h = 64).
 MEM_CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2)
@@ -97,10 +97,10 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
             res[kind] = (starts(cg.aot.forward_gms, op), starts(cg.aot.backward_gms, op))
         out[policy] = res
 
-    if memory:  # the step tspc.measure runs, on real tensors, counted by the CPU allocator
-        from tspc.measure import LossModel
-        from tspc.memory import MemoryTracker
+    if memory:  # the step tspc.tools.measure runs, on real tensors, counted by the CPU allocator
         from tspc.samples.reference_model import RefModel
+        from tspc.tools.measure import LossModel
+        from tspc.tools.memory import MemoryTracker
 
         torch._dynamo.reset()
         torch.manual_seed(0)

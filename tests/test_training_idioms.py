@@ -228,7 +228,7 @@ def save_worker(rank: int, world: int, root: str) -> dict:
         get_state_dict,
     )
 
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     out = {}
     data = batches(3, seq=16)

@@ -1019,10 +1019,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run_measure(
     args: argparse.Namespace, model: ModelShape, inputs: PlanInputs, quiet: bool
 ) -> tuple[str, dict[str, Any]]:
-    """Run ``tspc.measure`` for the plan's TSP layout; (text section, JSON section)."""
+    """Run ``tspc.tools.measure`` for the plan's TSP layout; (text section, JSON section)."""
     import time
 
-    from tspc.measure import CATEGORIES, analytic_as_measured, format_measurement, measure
+    from tspc.tools.measure import CATEGORIES, analytic_as_measured, format_measurement, measure
 
     def progress(r: Any) -> None:
         if not quiet:

@@ -139,7 +139,7 @@ def _start_session() -> None:
     if _profiler_enabled():
         # Starting a second session would silently take over the user's profiler.
         raise RuntimeError(
-            "tspc.memory.MemoryTracker measures through the PyTorch profiler, and another "
+            "tspc.tools.memory.MemoryTracker measures through the PyTorch profiler, and another "
             "profiler (torch.profiler.profile?) is already active in this thread"
         )
     with _quiet_stderr():

@@ -12,8 +12,8 @@ same files a real run writes with ``options={"dump_dir": OUT}``. A short summary
 ``--rank all`` dumps every rank in turn and compares the order of their collectives: ranks that
 would issue different collectives hang, and the command then says which and exits with 1.
 
-``--device cuda`` traces on fake CUDA tensors (``tspc/fake_cuda.py``: no GPU needed) and adds
-``device_check.json`` (``tspc/device_check.py``): every op of the graphs and of the zigzag
+``--device cuda`` traces on fake CUDA tensors (``tspc/tools/fake_cuda.py``: no GPU needed) and adds
+``device_check.json`` (``tspc/tools/device_check.py``): every op of the graphs and of the zigzag
 attention's forward and backward bodies that has no CUDA kernel (the command then exits with 1),
 and the attention kernels chosen. Without a real GPU the autograd engine cannot run on CUDA
 tensors, so only the forward graph is traced (as an inference graph); the attention backward
@@ -292,9 +292,9 @@ def _on_fake_cuda(target: Target, backward: bool) -> Iterator[tuple[Target, bool
     """``target`` on fake CUDA tensors, and whether a backward can run (needs a real GPU)."""
     import torch
 
-    from tspc import fake_cuda
-    from tspc.measure import _keep_fake_parameter_class
     from tspc.runtime.compat import fake_tensor_mode, tree_map
+    from tspc.tools import fake_cuda
+    from tspc.tools.measure import _keep_fake_parameter_class
 
     try:
         fake_cuda.ensure_device_guard()
@@ -323,7 +323,7 @@ def dump_rank(
 ) -> list:
     """Compile and run ``target`` as rank ``rank`` of ``world``; the ``GraphDump`` of every
     graph it compiled (one per Dynamo graph). ``device="cuda"``: on fake CUDA tensors, with a
-    ``device_check`` (``tspc/device_check.py``) on every dump."""
+    ``device_check`` (``tspc/tools/device_check.py``) on every dump."""
     import torch
 
     from tspc import backend
@@ -360,7 +360,7 @@ def dump_rank(
 
 
 def _write_device_check(dump) -> None:
-    from tspc.device_check import check_graphs
+    from tspc.tools.device_check import check_graphs
 
     if dump.inner == "eager":  # no aot graphs: the pipeline's graph is what runs
         forward, backward = [dump.result.gm], []

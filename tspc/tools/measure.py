@@ -4,7 +4,7 @@
 the plan's model shape, wrapped with its loss, ``torch.compile(..., backend="tsp")``, one
 training step (forward, loss, backward, AdamW) or one evaluation forward — as rank r of D, for
 every rank, and reports each rank's peak live bytes next to the analytic figure of
-``tspc/plan.py``. Nothing is allocated for real:
+``tspc/tools/plan.py``. Nothing is allocated for real:
 
 * The model, inputs, activations, gradients and optimizer state are ``FakeTensor``\\ s (shape,
   dtype and device ``cpu``, no data), so a 7B model at 128K tokens costs no memory. Building
@@ -18,12 +18,12 @@ every rank, and reports each rank's peak live bytes next to the analytic figure 
   partitioned graphs are the real ones: what is measured is the graph that would run.
 
 Counting live bytes (:class:`FakeMemoryTracker`). There is no allocator behind fake tensors, so
-``tspc.memory.MemoryTracker`` (which listens to c10's CPU allocator through the profiler) sees
+``tspc.tools.memory.MemoryTracker`` (which listens to c10's CPU allocator through the profiler) sees
 nothing here. A ``TorchDispatchMode`` sees every ATen and custom op that runs, including those
 of aot_eager's compiled graphs (they run op by op); each op output's storage is counted from the
 op that created it until the storage is destroyed (a weak-reference callback; views share their
 base's storage and count once), and ``UntypedStorage.resize_`` is watched so that releasing a
-full weight (``resize_(0)``) shows up. ``tspc.memory`` rejected a dispatch mode for *real* runs
+full weight (``resize_(0)``) shows up. ``tspc.tools.memory`` rejected a dispatch mode for *real* runs
 because it can change what Inductor runs and misses op-internal temporaries; neither matters
 for a count of tensors on fake tensors with the aot_eager inner compiler.
 
@@ -714,7 +714,7 @@ def analytic_as_measured(shape: Any, inputs: Any, mode: str, recompute: str = "n
     """
     import dataclasses
 
-    from tspc.plan import memory_breakdown
+    from tspc.tools.plan import memory_breakdown
 
     beta = inputs.act_bytes
     matched = dataclasses.replace(
@@ -734,7 +734,7 @@ def analytic_as_measured(shape: Any, inputs: Any, mode: str, recompute: str = "n
 
 def format_measurement(meas: Measurement, shape: Any, inputs: Any, seconds: float) -> str:
     """The ``--measure`` section of ``tspc plan``: per-rank peaks and the analytic figures."""
-    from tspc.plan import memory_breakdown
+    from tspc.tools.plan import memory_breakdown
 
     d = inputs.devices
     unit, scale = ("GB", GB) if meas.max_peak >= 0.5 * GB else ("MB", MB)
@@ -912,7 +912,7 @@ def _explain(
 
 def matched_per_token(shape: Any, inputs: Any) -> float:
     """Stored activation elements per token per layer of the plan's selective policy, / h."""
-    from tspc.plan import memory_breakdown
+    from tspc.tools.plan import memory_breakdown
 
     m = memory_breakdown(shape, inputs, "TSP", inputs.devices, inputs.devices)
     tokens = inputs.micro_batch * inputs.seq_len / inputs.devices

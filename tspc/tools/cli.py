@@ -8,12 +8,12 @@ import textwrap
 
 COMMANDS = {
     "plan": (
-        "tspc.plan",
+        "tspc.tools.plan",
         "per-device memory and communication of DP, TP, SP, TP+SP and TSP for a model and "
         "cluster shape",
     ),
     "dump": (
-        "tspc.dump_cli",
+        "tspc.tools.dump_cli",
         "the graphs after each pass, the matched layers, the collectives and a picture of the "
         "schedule for rank r of D (graph-only)",
     ),
