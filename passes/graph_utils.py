@@ -351,3 +351,20 @@ def sink_after(anchor: fx.Node, nodes: Any) -> None:
     for n in moved:
         at.append(n)
         at = n
+
+
+def reachable(
+    nodes: list[fx.Node], forward: bool = True, within: set[fx.Node] | None = None
+) -> set[fx.Node]:
+    """``nodes`` and every node reached from them through users (``forward``) or inputs,
+    staying inside ``within`` when given (a start outside it is not taken either)."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if within is None or n in within]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        nxt = n.users if forward else n.all_input_nodes
+        stack.extend(x for x in nxt if within is None or x in within)
+    return seen

@@ -42,6 +42,7 @@ from .graph_utils import (
     erase_unused,
     is_getitem,
     op_name,
+    reachable,
     shape,
     sink_after,
     tensor_inputs,
@@ -356,23 +357,7 @@ class _HeadPlan:
 
 def _region(sources: list[fx.Node], sinks: list[fx.Node]) -> list[fx.Node]:
     """Nodes on a path from a source to a sink, in graph order."""
-    fwd: set[fx.Node] = set()
-    stack = list(sources)
-    while stack:
-        n = stack.pop()
-        if n in fwd:
-            continue
-        fwd.add(n)
-        stack.extend(n.users)
-    bwd: set[fx.Node] = set()
-    stack = list(sinks)
-    while stack:
-        n = stack.pop()
-        if n in bwd or n not in fwd:
-            continue
-        bwd.add(n)
-        stack.extend(i for i in n.all_input_nodes)
-    nodes = fwd & bwd
+    nodes = reachable(sinks, forward=False, within=reachable(sources))
     order = {n: i for i, n in enumerate(sources[0].graph.nodes)}
     return sorted(nodes, key=order.__getitem__)
 
@@ -454,27 +439,12 @@ def rewrite_attention(
 
 
 def _descendants_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(u for u in n.users if u in region)
-    return seen
+    # the starts themselves are kept even outside the region (as the users they lead to)
+    return set(nodes) | reachable([u for n in nodes for u in n.users], True, region)
 
 
 def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [n for n in nodes if n in region]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(i for i in n.all_input_nodes if i in region)
-    return seen
+    return reachable(nodes, forward=False, within=region)
 
 
 def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) -> AttentionRewrite:
