@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from tspc.runtime.compat import OpOverload, OpOverloadPacket
+from tspc.runtime.packing import unpack
 
 # Spellings Dynamo uses for the same operation, mapped to one canonical name.
 _ALIASES = {
@@ -130,33 +131,75 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
     return []
 
 
-_VIEW_NAMES = frozenset(
+# Ops whose result is a view of their first input (no copy): Tensor methods by name, torch
+# functions by identity, ATen ops by their schema's ``is_view`` (and two that may alias).
+_VIEW_METHODS = frozenset(
     {
         "view",
+        "view_as",
         "reshape",
+        "reshape_as",
         "transpose",
+        "swapaxes",
+        "swapdims",
         "permute",
+        "movedim",
+        "moveaxis",
         "t",
-        "expand",
         "unsqueeze",
         "squeeze",
+        "expand",
+        "expand_as",
         "flatten",
         "unflatten",
         "narrow",
         "select",
-        "getitem",
-        "as_strided",
-        "view_as",
-        "reshape_as",
-        "expand_as",
-        "movedim",
-        "swapaxes",
         "diagonal",
         "unfold",
+        "as_strided",
         "split",
         "chunk",
+        "unbind",
+        "__getitem__",
     }
 )
+_VIEW_FUNCTIONS = {
+    operator.getitem,
+    torch.narrow,
+    torch.select,
+    torch.reshape,
+    torch.transpose,
+    torch.swapaxes,
+    torch.movedim,
+    torch.flatten,
+    torch.unsqueeze,
+    torch.squeeze,
+    torch.permute,
+    torch.diagonal,
+    torch.as_strided,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.t,
+    unpack,  # tspc.runtime.packing.unpack: views of one packed buffer
+}
+_VIEW_ATEN = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+}
+
+
+def is_view(n: fx.Node) -> bool:
+    """Whether ``n``'s result may be a view of its input (the one predicate: in-place writes
+    into a view are live, the schedule moves free views with their transfer)."""
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, OpOverload):
+        return bool(getattr(t, "is_view", False)) or t in _VIEW_ATEN
+    return t in _VIEW_FUNCTIONS
 
 
 def _write_is_live(n: fx.Node) -> bool:
@@ -166,7 +209,7 @@ def _write_is_live(n: fx.Node) -> bool:
     canonicalize_attention replaced an eager attention, Falcon's ``scores /= c`` kept the unused
     ``q @ k^T`` and its K gather alive)."""
     for a in mutated_args(n):
-        if a.op in ("placeholder", "get_attr") or op_name(a) in _VIEW_NAMES:
+        if a.op in ("placeholder", "get_attr") or is_view(a):
             return True
         if any(u is not n and not mutated_args(u) for u in a.users):
             return True

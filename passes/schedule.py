@@ -50,7 +50,6 @@ backward graphs aot_autograd produces. Cost: O(n log n) plus the size of the mov
 from __future__ import annotations
 
 import heapq
-import operator
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -66,8 +65,9 @@ from tspc.runtime.comm import (
     is_transfer_wait,
 )
 from tspc.runtime.compat import OpOverload
+from tspc.runtime.packing import pack
 
-from .graph_utils import mutated_args
+from .graph_utils import is_view, mutated_args
 
 # Kinds whose waits feed compute (phase 1) and those whose results are only accumulated or
 # returned (phase 3).
@@ -92,47 +92,6 @@ class ScheduleReport:
 
 # --------------------------------------------------------------------------- what a node is
 
-_VIEW_METHODS = frozenset(
-    {
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "transpose",
-        "permute",
-        "t",
-        "unsqueeze",
-        "squeeze",
-        "expand",
-        "expand_as",
-        "flatten",
-        "unflatten",
-        "narrow",
-        "split",
-        "chunk",
-        "unbind",
-        "swapaxes",
-        "__getitem__",
-    }
-)
-_VIEW_FUNCTIONS = {
-    operator.getitem,
-    torch.narrow,
-    torch.reshape,
-    torch.transpose,
-    torch.flatten,
-    torch.unsqueeze,
-    torch.squeeze,
-    torch.permute,
-    torch.split,
-    torch.chunk,
-    torch.unbind,
-    torch.t,
-}
-_VIEW_ATEN = {
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-}
 # Cheap copies that pack or lay out parameters (their inputs are all graph inputs).
 _PACK_ATEN = {
     torch.ops.aten.cat.default,
@@ -140,9 +99,8 @@ _PACK_ATEN = {
     torch.ops.aten.contiguous.default,
     torch.ops.aten._to_copy.default,
 }
-_PACK_FUNCTIONS = {torch.cat, torch.clone}
+_PACK_FUNCTIONS = {torch.cat, torch.clone, pack}  # pack: tspc.runtime.packing.pack
 _PACK_METHODS = frozenset({"contiguous", "clone", "to", "float", "half", "bfloat16"})
-_PACK_NAMES = frozenset({"pack"})  # tspc.runtime.packing.pack
 
 _HEAVY_ATEN = re.compile(
     r"^(mm|addmm|bmm|baddbmm|matmul|linear|convolution\w*|_?scaled_dot_product\w*|\w*attention\w*)$"
@@ -168,17 +126,7 @@ _is_start = is_transfer_start
 _is_wait = is_transfer_wait
 
 
-def _is_view(n: fx.Node) -> bool:
-    if n.op == "call_method":
-        return n.target in _VIEW_METHODS
-    if n.op != "call_function":
-        return False
-    t = n.target
-    if isinstance(t, OpOverload):
-        return bool(getattr(t, "is_view", False)) or t in _VIEW_ATEN
-    if t in _VIEW_FUNCTIONS:
-        return True
-    return getattr(t, "__name__", "") == "unpack"  # tspc.runtime.packing.unpack: views
+_is_view = is_view
 
 
 def _is_pack(n: fx.Node) -> bool:
@@ -189,7 +137,7 @@ def _is_pack(n: fx.Node) -> bool:
     t = n.target
     if isinstance(t, OpOverload):
         return t in _PACK_ATEN
-    return t in _PACK_FUNCTIONS or getattr(t, "__name__", "") in _PACK_NAMES
+    return t in _PACK_FUNCTIONS
 
 
 def is_view_or_pack(n: fx.Node) -> bool:
