@@ -1,6 +1,6 @@
 """The pass pipeline, in order, with a snapshot of the graph after each pass.
 
-    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_mlp -> shard_sequence -> rewrite_attention
+    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_mlp -> shard_sequence -> chunk_loss -> rewrite_attention
             -> rewrite_mlp -> recompute -> schedule_overlap -> (inner compiler: tspc/inner.py)
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
@@ -30,12 +30,17 @@ from tspc.passes.analyse import (
     recompile_if_stale,
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
+from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
-from tspc.passes.recompute import extend_checkpoint_regions, tag_recompute
+from tspc.passes.recompute import (
+    extend_checkpoint_regions,
+    recompute_ring_projections,
+    tag_recompute,
+)
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
@@ -55,6 +60,7 @@ PIPELINE = (
     "classify_masks",
     "match",
     "shard_sequence",
+    "chunk_loss",
     "rewrite_attention",
     "rewrite_mlp",
     "recompute",
@@ -163,6 +169,7 @@ def run_pipeline(
         report.gathers = sr.gathers
         report.notes += sr.notes
         propagate_shapes(gm, example_inputs)
+        report.notes += chunk_loss(gm, opts.loss_chunk)
     snap("shard_sequence")
 
     if level == "tsp" and opts.schedules == "tsp":
@@ -223,6 +230,7 @@ def run_pipeline(
         )
     elif checkpointed:
         extend_checkpoint_regions(gm)
+    recompute_ring_projections(gm)
     snap("recompute")
     if opts.overlap:
         schedule_overlap(gm)
