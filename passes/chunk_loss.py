@@ -40,9 +40,11 @@ def _single_input(n: fx.Node) -> fx.Node | None:
     return ins[0] if len(ins) == 1 else None
 
 
-def _head_of(logits: fx.Node, vocab: int) -> tuple[fx.Node | None, list[fx.Node], str]:
-    """The ``linear`` behind ``logits`` and the nodes between (logits first), or a reason."""
+def _head_of(logits: fx.Node, vocab: int, nll: bool) -> tuple[fx.Node | None, list[fx.Node], str]:
+    """The ``linear`` behind ``logits`` and the nodes between (logits first), or a reason. For
+    ``nll_loss`` (``nll``) exactly one ``log_softmax`` over the vocabulary must be among them."""
     chain, n = [], logits
+    log_softmax = None
     while True:
         if len(n.users) != 1:
             return None, chain, f"{n.name} is read by {len(n.users)} nodes"
@@ -56,10 +58,17 @@ def _head_of(logits: fx.Node, vocab: int) -> tuple[fx.Node | None, list[fx.Node]
                 and shape(w)[0] == vocab
                 and shape(x)[-1] == shape(w)[1]
             ):
+                if nll and log_softmax is None:
+                    return None, chain, "nll_loss not of a log_softmax over the vocabulary"
                 chain.append(n)
                 return n, chain, ""
             return None, chain, f"{n.name}: a linear that is not [tokens, h] x [V, h]"
-        if name not in _THROUGH:
+        if nll and log_softmax is None and name in _LOG_SOFTMAX:
+            dim = arg(n, 1, "dim")
+            if dim not in (-1, len(shape(n)) - 1):
+                return None, chain, f"{n.name}: a log_softmax over dim {dim}, not the vocabulary"
+            log_softmax = n
+        elif name not in _THROUGH:
             return None, chain, f"{n.name} ({name}) between the head and the loss"
         if not shape(n) or shape(n)[-1] != vocab:
             return None, chain, f"{n.name} changes the vocabulary dim"
@@ -93,15 +102,7 @@ def chunk_loss(gm: fx.GraphModule, chunk: int | None = None) -> list[str]:
             notes.append(f"loss {node.name} not chunked: {why}")
             continue
         vocab = shape(logits)[1]
-        z = logits
-        pre: list[fx.Node] = []
-        if nll:  # log_softmax(z) over the vocabulary, then nll_loss
-            dim = arg(logits, 1, "dim")
-            if op_name(logits) not in _LOG_SOFTMAX or dim not in (-1, 1) or len(logits.users) != 1:
-                notes.append(f"loss {node.name} not chunked: nll_loss not of a log_softmax")
-                continue
-            pre, z = [logits], logits.args[0]
-        head, chain, why = _head_of(z, vocab)
+        head, chain, why = _head_of(logits, vocab, nll)
         if head is None:
             notes.append(f"loss {node.name} not chunked: {why}")
             continue
@@ -124,7 +125,7 @@ def chunk_loss(gm: fx.GraphModule, chunk: int | None = None) -> list[str]:
             new.meta.update({k: v for k, v in node.meta.items() if k not in ("val",)})
             set_fake_value(new)
         node.replace_all_uses_with(loss)
-        for dead in [node, *pre, *chain]:
+        for dead in [node, *chain]:
             gm.graph.erase_node(dead)
         chunks = -(-n_tokens // per)
         notes.append(
