@@ -229,7 +229,10 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
     if scheme == "one_eager":
         return model, model
     if scheme in ("tsp", "sp"):
-        options = {"schedules": "sp"} if scheme == "sp" else {}
+        # aot_eager, like the TP baselines (see the module doc)
+        options = (
+            {"schedules": "sp", "inner": "aot_eager"} if scheme == "sp" else {"inner": "aot_eager"}
+        )
         if recompute:
             options["recompute"] = "full"
         return model, torch.compile(model, backend="tsp", options=options)

@@ -18,8 +18,16 @@ processes) hits every configuration alike instead of one.
 Sections (one table):
 
 (a) one process, D = 1: eager, ``torch.compile`` (Inductor), ``torch.compile(backend=
-    "aot_eager")`` and ``backend="tsp"`` with each inner compiler. The ratio is throughput
-    relative to Inductor (its time / the row's): the rewrite must cost nothing at D = 1.
+    "aot_eager")``, ``backend="tsp"`` with its default options (inner Inductor) and with inner
+    ``aot_eager``. The ratio is throughput relative to Inductor (its time / the row's): the
+    rewrite must cost nothing at D = 1. Two models: the reference model below, and an
+    elementwise-heavy one (h=256, 8 heads / 2 KV, SwiGLU, RoPE, 4 layers, B=2, S=256), whose
+    time is not almost all GEMMs. Each model runs ``a_repeats`` times, each time in a fresh
+    process (the machine is shared: ratios are taken inside one process, where the
+    configurations take turns, and the median over the processes is reported). All processes
+    of a model share one new Inductor cache directory, so the first process compiles cold and
+    the later ones warm (Inductor's FX graph cache, AOTAutograd's cache): the note gives both
+    compile times and the cache hits of the warm ones.
 (b) D = 2 and 4 on gloo, for a token count B·S well above 8h and one below it: TSP (default
     options), TP+SP and TP (``bench/baselines.py``: torch's ``parallelize_module`` plans),
     compiled with the same compiler as TSP's inner one. Ratio: TSP's throughput over each.
@@ -123,6 +131,10 @@ class Plan:
     compile_tokens: Tokens = Tokens("compile", 2, 64)
     device: str = "cpu"
     sections: tuple[str, ...] = ("a", "b", "c", "d")
+    # section (a)'s second model (the first is ``model`` at ``long``) and its repeats
+    a_model: ModelShape = ModelShape(256, 704, 4, 8, 2, 512)
+    a_tokens: Tokens = Tokens("elementwise", 2, 256)
+    a_repeats: int = 3
 
 
 FULL = Plan(
@@ -138,6 +150,9 @@ QUICK = Plan(
     iters=3,
     compile_model=ModelShape(64, 128, 8, 4, 2, 256),
     compile_layers=8,
+    a_model=ModelShape(64, 192, 2, 8, 2, 256),
+    a_tokens=Tokens("elementwise", 2, 64),
+    a_repeats=2,
 )
 
 
@@ -174,6 +189,7 @@ class Runner:
     params: Callable[[], list[torch.Tensor]]
     compile_s: float = 0.0
     times: list[float] = field(default_factory=list)
+    cache: dict[str, int] = field(default_factory=dict)  # cache counters of its compile
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> None:
         for p in self.params():
@@ -206,7 +222,9 @@ def build_runner(key: str, model_shape: ModelShape, inner: str, fake_group=None)
     if key in ("tp", "tp_sp"):
         return Runner(key, torch.compile(model, **_compiler_for(inner)), plain)
     options: dict[str, Any] = {"inner": inner}
-    if key.startswith("tsp:"):
+    if key == "tsp:default":
+        options = {}
+    elif key.startswith("tsp:"):
         options["inner"] = key.split(":", 1)[1]
     elif key == "tsp_no_overlap":
         options["overlap"] = False
@@ -233,6 +251,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _cache_counters() -> dict[str, int]:
+    """Inductor's FX graph cache and AOTAutograd's cache: hits, misses, bypasses so far."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for group, names in (
+        ("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")),
+        ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")),
+    ):
+        for n in names:
+            out[n] = counters[group][n]
+    return out
+
+
 def time_round_robin(
     runners: list[Runner], tokens: Tokens, vocab: int, plan: Plan, barrier: Callable[[], None]
 ) -> None:
@@ -240,10 +272,13 @@ def time_round_robin(
     ids, targets = _data(tokens, vocab, plan.device)
     for r in runners:
         barrier()
+        before = _cache_counters()
         t = time.perf_counter()
         r.step(ids, targets)
         _sync(plan.device)
         r.compile_s = time.perf_counter() - t
+        after = _cache_counters()
+        r.cache = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         r.times = []
     for i in range(plan.warmup + plan.iters):
         for r in runners:
@@ -260,15 +295,17 @@ def time_round_robin(
 # --------------------------------------------------------------------------------------------
 
 
-def one_process_worker(rank: int, world: int, plan: Plan, keys: list[str]) -> dict[str, Any]:
-    """Section (a): every D = 1 configuration in one process, taking turns."""
+def one_process_worker(
+    rank: int, world: int, plan: Plan, keys: list[str], model: ModelShape, tokens: Tokens
+) -> dict[str, Any]:
+    """Section (a): every D = 1 configuration of one model in one process, taking turns."""
     _prepare_process()
-    runners = [build_runner(k, plan.model, plan.inner) for k in keys]
+    runners = [build_runner(k, model, plan.inner) for k in keys]
     if plan.device != "cpu":
         for r in runners:
             r.loss.to(plan.device)  # type: ignore[union-attr]
-    time_round_robin(runners, plan.long, plan.model.vocab, plan, barrier=lambda: None)
-    return {r.key: {"times": r.times, "compile_s": r.compile_s} for r in runners}
+    time_round_robin(runners, tokens, model.vocab, plan, barrier=lambda: None)
+    return {r.key: {"times": r.times, "compile_s": r.compile_s, "cache": r.cache} for r in runners}
 
 
 def parallel_worker(rank: int, world: int, plan: Plan) -> dict[str, Any]:
@@ -396,29 +433,62 @@ LABELS = {
 
 
 def _label(key: str) -> str:
+    if key == "tsp:default":
+        from tspc.options import TSPOptions
+
+        return f'backend="tsp", default options (inner {TSPOptions().inner})'
     if key.startswith("tsp:"):
         return f'backend="tsp", inner={key.split(":", 1)[1]}'
     return LABELS[key]
 
 
+def _cache_note(cache: dict[str, int]) -> str:
+    short = {
+        "fxgraph_cache_hit": "FX hit",
+        "fxgraph_cache_miss": "FX miss",
+        "fxgraph_cache_bypass": "FX bypass",
+        "autograd_cache_hit": "AOT hit",
+        "autograd_cache_miss": "AOT miss",
+        "autograd_cache_bypass": "AOT bypass",
+    }
+    return " ".join(f"{short[k]} {v}" for k, v in cache.items() if v) or "no cache"
+
+
 def section_a(plan: Plan, progress: Callable[[str], None]) -> tuple[list[Row], dict]:
+    import tempfile
+
     from tspc.launch import spawn
 
-    keys = ["eager", "inductor", "aot_eager", "tsp:aot_eager", "tsp:inductor"]
+    keys = ["eager", "inductor", "aot_eager", "tsp:aot_eager", "tsp:default"]
     if plan.device != "cpu":
-        keys = ["eager", "inductor", "tsp:inductor"]
-    progress(f"(a) D = 1 on {plan.device}: {', '.join(keys)}")
-    (res,) = spawn(one_process_worker, 1, plan, keys, timeout=3600)
-    ref = step_ms([res], "inductor")
-    tokens = plan.long.describe(plan.model.hidden)
-    rows = []
-    for k in keys:
-        ms = step_ms([res], k)
-        note = f"compile {res[k]['compile_s']:.1f} s"
-        if plan.device != "cpu":
-            note += f"; {plan.device}"
-        rows.append(Row("a", _label(k), 1, tokens, ms, ref / ms, note))
-    return rows, res
+        keys = ["eager", "inductor", "tsp:default"]
+    rows, raw = [], {}
+    for model, tokens in ((plan.model, plan.long), (plan.a_model, plan.a_tokens)):
+        cache_dir = tempfile.mkdtemp(prefix="tspc-bench-inductor-")
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir, "TSPC_INNER": ""}
+        runs = []
+        for rep in range(plan.a_repeats):
+            progress(
+                f"(a) D = 1 on {plan.device}, {model.describe()}, B x S = {tokens.batch} x "
+                f"{tokens.seq}: process {rep + 1}/{plan.a_repeats} "
+                f"({'cold' if rep == 0 else 'warm'} caches)"
+            )
+            (res,) = spawn(one_process_worker, 1, plan, keys, model, tokens, timeout=3600, env=env)
+            runs.append(res)
+        raw[f"{model.describe()} {tokens.name}"] = runs
+        desc = f"{model.describe()}; {tokens.describe(model.hidden)}"
+        for k in keys:
+            ms = statistics.median(step_ms([r], k) for r in runs)
+            ratio = statistics.median(step_ms([r], "inductor") / step_ms([r], k) for r in runs)
+            ratios = ", ".join(f"{step_ms([r], 'inductor') / step_ms([r], k):.2f}" for r in runs)
+            note = f"ratios {ratios}; compile cold {runs[0][k]['compile_s']:.1f} s"
+            if len(runs) > 1:
+                warm = statistics.median(r[k]["compile_s"] for r in runs[1:])
+                note += f", warm {warm:.1f} s ({_cache_note(runs[-1][k]['cache'])})"
+            if plan.device != "cpu":
+                note += f"; {plan.device}"
+            rows.append(Row("a", _label(k), 1, desc, ms, ratio, note))
+    return rows, raw
 
 
 def section_bc(plan: Plan, progress: Callable[[str], None]) -> tuple[list[Row], dict]:
@@ -481,7 +551,8 @@ def section_d(plan: Plan, progress: Callable[[str], None]) -> tuple[list[Row], d
 # --------------------------------------------------------------------------------------------
 
 SECTION_TITLES = {
-    "a": "(a) one process: ratio = throughput relative to torch.compile (Inductor)",
+    "a": "(a) one process: ratio = throughput relative to torch.compile (Inductor), median over "
+    "processes",
     "b": "(b) TSP vs TP+SP and TP on gloo: ratio = TSP throughput / baseline throughput",
     "c": "(c) overlap: ratio = compute-only bound / step time (1.0 = all communication hidden)",
     "d": "(d) compile time of the first step (ms): ratio = tsp / aot_eager",
@@ -527,10 +598,10 @@ def format_table(rows: list[Row], markdown: bool = False) -> str:
 
 def summary(rows: list[Row]) -> list[str]:
     lines = []
-    a = {r.label: r for r in rows if r.section == "a"}
-    for label, r in a.items():
-        if label.startswith('backend="tsp"'):
-            lines.append(f"D = 1: {label} runs at {r.ratio:.2f}x Inductor's throughput")
+    for r in rows:
+        if r.section == "a" and r.label.startswith('backend="tsp"'):
+            model = r.tokens.split(";")[0]
+            lines.append(f"D = 1, {model}: {r.label} runs at {r.ratio:.2f}x Inductor")
     for r in rows:
         if r.section == "c" and r.label.startswith("communication hidden"):
             lines.append(
@@ -561,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default="abcd", help="which sections to run (abcd)")
     p.add_argument("--devices", type=int, nargs="+", default=None, help="D values for (b, c)")
     p.add_argument("--iters", type=int, default=None, help="timed steps per configuration")
+    p.add_argument("--repeats", type=int, default=None, help="processes per model in (a)")
     p.add_argument("--device", default="cpu", help="device of section (a): cpu or cuda")
     p.add_argument("--json", type=Path, default=None, help="also write every timing here")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown too")
@@ -577,6 +649,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         changes["devices"] = tuple(args.devices)
     if args.iters:
         changes["iters"] = args.iters
+    if args.repeats:
+        changes["a_repeats"] = args.repeats
     if args.device != "cpu":
         changes["sections"] = ("a",)  # the parallel sections run on gloo (CPU)
     return replace(plan, **changes)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tspc.runtime.compat import FakeTensorMode
 
 from .graph_utils import node_module_fqn, placeholder_fqn
 

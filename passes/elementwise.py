@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from tspc.runtime.compat import OpOverload, TorchDispatchMode, tree_map_only
 
 from .graph_utils import fake_inputs, op_name, tensor_val
 
@@ -45,14 +46,14 @@ class Nature:
 class _Record(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[torch._ops.OpOverload] = []
+        self.ops: list[OpOverload] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
 
 
-def dispatched_ops(node: fx.Node) -> list[torch._ops.OpOverload] | None:
+def dispatched_ops(node: fx.Node) -> list[OpOverload] | None:
     """The ATen ops ``node`` reaches when run on its inputs' fake values (None if it cannot be
     run: no fake inputs, or the op fails on them)."""
     if node.op not in ("call_function", "call_method"):
@@ -62,9 +63,7 @@ def dispatched_ops(node: fx.Node) -> list[torch._ops.OpOverload] | None:
         return None
     # in-place ops would mutate the graph's recorded values: run them on copies
     with fake_mode:
-        args, kwargs = torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: t.clone(), (args, kwargs)
-        )
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t.clone(), (args, kwargs))
         try:
             with _Record() as rec:
                 if node.op == "call_function":

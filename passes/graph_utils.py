@@ -10,6 +10,8 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from tspc.runtime.compat import OpOverload, OpOverloadPacket
+
 # Spellings Dynamo uses for the same operation, mapped to one canonical name.
 _ALIASES = {
     "truediv": "div",
@@ -34,9 +36,9 @@ def op_name(node: fx.Node) -> str | None:
         return _ALIASES.get(node.target, node.target)
     if node.op == "call_function":
         t = node.target
-        if isinstance(t, torch._ops.OpOverload):
+        if isinstance(t, OpOverload):
             name = t._opname
-        elif isinstance(t, torch._ops.OpOverloadPacket):
+        elif isinstance(t, OpOverloadPacket):
             name = t._qualified_op_name.split("::")[-1]
         else:
             name = getattr(t, "__name__", None)
@@ -113,7 +115,7 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
     t = n.target
     if t in _INPLACE_OPERATORS:
         return [first] if first is not None else []
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return [
             v
             for a, v in zip(t._schema.arguments, n.args)

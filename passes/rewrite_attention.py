@@ -59,8 +59,9 @@ from .layout import (
     rewrite_sizes,
 )
 from .match_attention import AttentionMatch, Projection, Skip, projection_input
+from .seq_ops import is_elementwise, is_first_arg_only
+from .seq_rules_attention import sdpa_local_queries
 from .shard_inputs import ShardInputs
-from .shard_sequence import ELEMENTWISE, FIRST_ARG_ONLY, sdpa_local_queries
 
 _VIEWS = ("view", "reshape")
 _PERMUTES = ("transpose", "permute", "t", "swapaxes")
@@ -157,7 +158,7 @@ class _HeadPlan:
             raise _NotHeadLocal(f"'{node.name}' is in the region but has no head-carrying input")
         reduced = [i for i in ins if self.layout[i] is REDUCED]
         if reduced:
-            if name not in ELEMENTWISE and name not in _KEEP:
+            if not is_elementwise(node) and name not in _KEEP:
                 raise _NotHeadLocal(
                     f"'{node.name}' ({name}) uses a statistic over all heads in a way only "
                     "elementwise ops are known to allow"
@@ -295,10 +296,10 @@ class _HeadPlan:
                 if w in self.layout:
                     raise _NotHeadLocal(f"'{node.name}' uses a per-head value as a weight")
             return sh
-        if name in ELEMENTWISE or name in _KEEP:
+        if is_elementwise(node) or name in _KEEP:
             out_ndim = len(shape(node))
             parts = tensor_inputs(node)
-            if name in FIRST_ARG_ONLY:
+            if is_first_arg_only(node):
                 parts = parts[:1]
             target = None
             for p in parts:

@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
+from tspc.runtime.compat import OpOverload
 
 from .graph_utils import mutated_args
 
@@ -173,7 +174,7 @@ def _is_view(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return bool(getattr(t, "is_view", False)) or t in _VIEW_ATEN
     if t in _VIEW_FUNCTIONS:
         return True
@@ -186,7 +187,7 @@ def _is_pack(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return t in _PACK_ATEN
     return t in _PACK_FUNCTIONS or getattr(t, "__name__", "") in _PACK_NAMES
 
@@ -204,7 +205,7 @@ def is_heavy(n: fx.Node) -> bool:
     if n.op != "call_function" or n.target in START_KIND or n.target in WAIT_OPS:
         return False
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return bool(_HEAVY_ATEN.match(t._opname))
     return getattr(t, "__name__", "") in _HEAVY_FUNCTIONS
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.group import TSPGroup
-from tspc.runtime.shard_store import STORE, Layout, ShardSpec
+from tspc.runtime.shard_store import STORE, Layout, ShardSpec, ShardStore
 
 from .analyse import GraphInfo
 
@@ -30,7 +30,14 @@ class ShardInput:
 
 
 class ShardInputs:
-    def __init__(self, gm: fx.GraphModule, info: GraphInfo, group: TSPGroup):
+    """The shard inputs the rewrites ask for. Layouts are declared in ``store`` (the runtime's
+    process-wide ``STORE`` when compiling; a test may pass its own ``ShardStore``), which is
+    where the runtime finds every rank's slices of a parameter when it runs the graph."""
+
+    def __init__(
+        self, gm: fx.GraphModule, info: GraphInfo, group: TSPGroup, store: ShardStore = STORE
+    ):
+        self.store = store
         self.gm = gm
         self.info = info
         self.group = group
@@ -43,7 +50,9 @@ class ShardInputs:
         (this rank may hold none). Every rank declares the same layout, so every rank gives the
         module the same DTensor placement."""
         g = self.group
-        STORE.declare(self.info.inputs[self._index[param]].example, layout, g.name, g.rank, g.size)
+        self.store.declare(
+            self.info.inputs[self._index[param]].example, layout, g.name, g.rank, g.size
+        )
 
     def get(self, param: fx.Node, spec: ShardSpec, name: str) -> fx.Node:
         """The placeholder holding this rank's ``spec`` shard of the parameter ``param``."""
@@ -51,7 +60,7 @@ class ShardInputs:
         if key in self._cache:
             return self._cache[key]
         full = self.info.inputs[self._index[param]].example
-        shard = STORE.example_shard(full, spec)
+        shard = self.store.example_shard(full, spec)
         graph = self.gm.graph
         # After the last placeholder: the runtime passes the shards after the original inputs,
         # and another pass may already have put a node between two placeholders (the sequence

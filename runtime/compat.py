@@ -1,8 +1,51 @@
-"""torch-private names the runtime needs, in one place (each says why it is needed)."""
+"""torch-private names tspc needs, in one place (each says why it is needed).
+
+Everything tspc reads from a private torch module (``torch._ops``, ``torch._subclasses``,
+``torch.utils._python_dispatch``, ``torch.fx._lazy_graph_module``, ``torch._C``, ...) is
+imported or called here, so a torch upgrade that moves one breaks one file. The aot/Inductor
+entry points of the inner compiler and the tools' profiler internals are the two other places
+(``tspc/inner.py``, ``tspc/memory.py``), each import commented.
+"""
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
+
+# The classes of ``torch.ops`` entries (the objects are public; the module is not).
+from torch._ops import OpOverload, OpOverloadPacket
+
+# Fake tensors: shape propagation and ``tspc plan --measure`` run ops on them.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+# How the MLP matcher and the device check see which ATen ops a node dispatches to.
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+# torch's pytree (what Dynamo and aot_autograd use to walk nested args).
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+
+try:  # the lazy GraphModule Dynamo and Inductor use: code generated once, when first run
+    from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+except ImportError:  # pragma: no cover - other torch versions
+    LazyGraphModule = torch.fx.GraphModule
+
+__all__ = [
+    "FakeTensor",
+    "FakeTensorMode",
+    "LazyGraphModule",
+    "OpOverload",
+    "OpOverloadPacket",
+    "TorchDispatchMode",
+    "is_traceable_wrapper_subclass",
+    "tree_leaves",
+    "tree_map",
+    "tree_map_only",
+]
+
+# Namespaces whose functions Dynamo records under their own objects (``torch._C._nn.gelu`` is
+# ``F.gelu``; ``torch._C._set_grad_enabled`` marks grad-mode changes in a graph).
+TORCH_C_NAMESPACES = (torch._C._nn, torch._C)
 
 
 def strided_shard(dim: int, split_factor: int):
@@ -40,9 +83,32 @@ def queue_backward_callback(fn) -> None:
 def fake_tensor_mode(**kwargs):
     """``FakeTensorMode``: tensors with shape, dtype and device but no data (``tspc dump
     --device cuda`` traces CUDA graphs on a machine without one)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     return FakeTensorMode(**kwargs)
+
+
+def disable_torch_function_subclass():
+    """Run tensor methods without ``__torch_function__`` of a subclass (a released parameter's
+    own guard must read its metadata without re-entering itself)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def dispatch_key_for_device(device_type: str) -> str:
+    """The dispatch key name of a device type ("cpu" -> "CPU", "cuda" -> "CUDA")."""
+    return torch._C._dispatch_key_for_device(device_type)
+
+
+def tracing_context():
+    """Dynamo's current TracingContext (None outside a compile): its fake mode and the
+    graph's example inputs."""
+    return torch._guards.TracingContext.try_get()
+
+
+def fake_process_group_store():
+    """The store of torch's ``fake`` process-group backend (graph-only runs as rank r of D,
+    no peers): it lives in ``torch.testing._internal`` in torch 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
@@ -68,3 +134,30 @@ def partitioner_without_cse():
     from torch._functorch import config
 
     return config.patch(cse=False)
+
+
+def current_dynamo_compile_id():
+    """Dynamo's id of the frame compile in progress ("0/1": frame 0, its first recompile), or
+    None outside one (``torch._guards.CompileContext``, private in 2.13): tspc's compile log
+    names it so a line matches Dynamo's own ``TORCH_LOGS=recompiles`` output."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+def dynamo_counters():
+    """Dynamo's process-wide counters (``torch._dynamo.utils.counters``, a
+    ``defaultdict(Counter)``): tspc adds its own compile counts under ``"tspc"``."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def global_state_snapshot():
+    """Dynamo's snapshot of the global state its graphs depend on (grad mode, autocast,
+    deterministic algorithms, default dtype, ...): ``.check()`` is True while it is unchanged
+    (``torch._C._dynamo.guards.GlobalStateGuard``, private in 2.13). A compiled graph is reused
+    for another trace only under the state it was compiled in."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard()

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .compat import disable_torch_function_subclass
 from .shard_store import STORE
 
 _internal = [0]  # >0 while tspc itself handles released parameters (compiling, running)
@@ -59,7 +60,7 @@ class ReleasedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _internal[0] or torch.compiler.is_compiling() or _func_name(func) in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         raise ReleasedParameterError(
             f"tspc: {_func_name(func) or func} would read a parameter of shape "

@@ -8,6 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Multi-process tests reuse their worker processes between tests of the same world size
+# (tspc/launch.py): a new worker's imports cost more than most tests' work.
+os.environ.setdefault("TSPC_SPAWN_POOL", "1")
+# The backend's default inner compiler is Inductor; the tests compile with aot_eager (the same
+# aot_autograd graphs, run op by op: a fraction of Inductor's compile time) unless they ask for
+# Inductor by option. Spawned ranks inherit the variable.
+os.environ.setdefault("TSPC_INNER", "aot_eager")
+
 
 @pytest.fixture
 def fake_group():

@@ -97,3 +97,138 @@ def compile_reference_step(**model_kw):
     out.float().sum().backward()
     (cg,) = COMPILED
     return cg
+
+
+def zigzag_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -> None:
+    """Each rank's zigzag causal attention (queries padded to P when n does not split into 2D
+    chunks, keys of the true length) against dense causal SDPA of the whole sequence, forward
+    and backward: real rows equal it, padded rows are finite and get no gradient, and the
+    ranks' key/value gradients sum to the dense ones."""
+    import torch.nn.functional as F
+
+    from tspc.ops import zigzag_attention as zz
+    from tspc.runtime.zigzag import local_valid, padded_length, zigzag_slice
+
+    torch.manual_seed(0)
+    b, hq, d = 2, 4, 8
+    q = torch.randn(b, hq, n, d, requires_grad=True)
+    k = torch.randn(b, kv_heads, n, d, requires_grad=True)
+    v = torch.randn(b, kv_heads, n, d, requires_grad=True)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
+    valid = None
+    if key_padding:
+        valid = torch.ones(b, n, dtype=torch.bool)
+        valid[0, :3] = False  # rows that see no key
+        mask = mask & valid[:, None, None, :]
+    rep = hq // kv_heads
+    ref = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask
+    ).nan_to_num()
+    go = torch.randn_like(ref)
+    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
+    p = padded_length(n, world)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(world):
+        real = local_valid(n, r, world)
+        ql = zigzag_slice(q.detach(), 2, r, world, padded=p).requires_grad_()
+        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
+        out, _ = zz.zigzag_causal_attention(ql, kk, vv, r, world, d**-0.5, valid)
+        assert torch.isfinite(out).all()
+        want = zigzag_slice(ref, 2, r, world, padded=p)
+        torch.testing.assert_close(out[:, :, real], want[:, :, real], atol=5e-6, rtol=1e-5)
+        grad_local = zigzag_slice(go, 2, r, world, padded=p) * real[:, None]
+        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), grad_local)
+        want_q = zigzag_slice(gq, 2, r, world, padded=p)
+        torch.testing.assert_close(a[:, :, real], want_q[:, :, real], atol=5e-6, rtol=1e-5)
+        assert (a[:, :, ~real] == 0).all()
+        dk += bk
+        dv += bv
+    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+
+
+def _overlap_compute() -> dict:
+    """The compute a transfer can hide behind, as the scheduled aot graph names it, and the text
+    of its call in Inductor's generated Python code, after ``_mark_gemms``: GEMMs are extern
+    calls on CPU (Inductor may fold the accumulation ``y + x @ w`` into ``addmm``, so any GEMM
+    matches any GEMM); the attention is tspc's op."""
+    import tspc.backend  # noqa: F401 - registers the tspc ops
+
+    ops = torch.ops.tspc
+    return {
+        torch.ops.aten.mm.default: "GEMM:",
+        torch.ops.aten.addmm.default: "GEMM:",
+        torch.ops.aten.bmm.default: "GEMM:",
+        ops.zigzag_causal_attention.default: "torch.ops.tspc.zigzag_causal_attention.default(",
+        ops.zigzag_causal_attention_backward.default: (
+            "torch.ops.tspc.zigzag_causal_attention_backward.default("
+        ),
+    }
+
+
+def _mark_gemms(code: str) -> str:
+    """``code`` with every GEMM call prefixed ``GEMM:`` (FileCheck's ``check_regex`` searches
+    from the start of the text, not from the previous match, so alternatives are spelled out
+    this way for plain ``check``)."""
+    import re
+
+    return re.sub(r"extern_kernels\.(mm|addmm|bmm)\(", r"GEMM:extern_kernels.\1(", code)
+
+
+def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
+    """FileCheck Inductor's generated ``code`` for the scheduled graph ``gm`` it compiled: every
+    transfer's start comes before each GEMM and attention call the schedule put between that
+    start and its wait, in the schedule's order, and its wait after them. Returns the number of
+    transfers that overlap some compute in the schedule (each one checked).
+
+    A transfer is found in the code by its op and its constant arguments (the head group or
+    ring shift, the size, the group, the tag: ``..._start.default(<tensor>, 1, 1536, '0', 2,
+    'layers.0.attn')``), the k-th of equal ones in the code being the k-th in the graph, and
+    its wait by the handle variable the start's result is bound to."""
+    import re
+
+    from torch.testing import FileCheck
+
+    from tspc.runtime.comm import START_KIND, WAIT_OPS
+
+    compute = _overlap_compute()
+    marked = _mark_gemms(code)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    lines = code.splitlines()
+    aliases: dict[str, str] = {}
+    for ln in lines:  # Inductor binds an extern call's result, then re-binds it: bufB = bufA
+        m = re.fullmatch(r"\s*(buf\d+) = (buf\d+)", ln)
+        if m:
+            aliases[m.group(2)] = m.group(1)
+    seen: Counter = Counter()
+    checked = 0
+    for start in nodes:
+        if start.op != "call_function" or start.target not in START_KIND:
+            continue
+        (wait,) = [u for u in start.users if u.target in WAIT_OPS]
+        overlapped = [
+            compute[n.target]
+            for n in nodes[order[start] + 1 : order[wait]]
+            if n.op == "call_function" and n.target in compute
+        ]
+        consts = ", ".join(repr(a) for a in start.args[1:])
+        call = f"torch.ops.{start.target.namespace}.{start.target._opname}.default("
+        signature = (call, consts)
+        matches = [
+            ln.strip()
+            for ln in lines
+            if call in ln and ln.rstrip().endswith(f", {consts})") and " = " in ln
+        ]
+        line = matches[seen[signature]]
+        seen[signature] += 1
+        handle = line.split(" = ", 1)[0]
+        while handle in aliases:
+            handle = aliases[handle]
+        wait_call = f"torch.ops.tspc.{wait.target._opname}.default({handle},"
+        fc = FileCheck().check(line)
+        for c in overlapped:
+            fc = fc.check(c)
+        fc.check(wait_call).run(marked)
+        checked += bool(overlapped)
+    return checked

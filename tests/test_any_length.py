@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import D4_EXTENDED, HF_SMALL, grad_error
+from tests.helpers import D4_EXTENDED, HF_SMALL, grad_error, zigzag_against_dense
 from tspc.launch import spawn
 from tspc.runtime.zigzag import (
     drop_padding,
@@ -77,46 +77,8 @@ def test_padding_of_a_merged_batch_and_sequence_dimension():
 @pytest.mark.parametrize("n", [3, 9, 15])
 @pytest.mark.parametrize("key_padding", [False, True])
 def test_zigzag_kernel_with_padded_queries_matches_dense_causal(world, n, key_padding):
-    """Queries padded to P, keys of the true length: real rows equal dense causal attention,
-    padded rows are finite and get no gradient, and no real row's result depends on them."""
-    from tspc.ops.zigzag_attention import zigzag_causal_attention
-
-    torch.manual_seed(0)
-    b, hq, kv, d = 2, 4, 2, 8
-    q = torch.randn(b, hq, n, d, requires_grad=True)
-    k = torch.randn(b, kv, n, d, requires_grad=True)
-    v = torch.randn(b, kv, n, d, requires_grad=True)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
-    valid = None
-    if key_padding:
-        valid = torch.ones(b, n, dtype=torch.bool)
-        valid[0, :2] = False  # left padding of the user's batch: rows that see no key
-        mask = mask & valid[:, None, None, :]
-    ref = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
-    ).nan_to_num()
-    go = torch.randn_like(ref)
-    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
-    p = padded_length(n, world)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(world):
-        real = local_valid(n, r, world)
-        ql = zigzag_slice(q.detach(), 2, r, world, padded=p).requires_grad_()
-        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out, _ = zigzag_causal_attention(ql, kk, vv, r, world, d**-0.5, valid)
-        assert torch.isfinite(out).all()
-        want = zigzag_slice(ref, 2, r, world, padded=p)
-        torch.testing.assert_close(out[:, :, real], want[:, :, real], atol=2e-6, rtol=1e-5)
-        grad_local = zigzag_slice(go, 2, r, world, padded=p) * real[:, None]
-        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), grad_local)
-        torch.testing.assert_close(
-            a[:, :, real], zigzag_slice(gq, 2, r, world, padded=p)[:, :, real], atol=5e-6, rtol=1e-5
-        )
-        assert (a[:, :, ~real] == 0).all()
-        dk += bk
-        dv += bv
-    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
-    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
+    """Queries padded to P, keys of the true length (n shorter than 2D, or 2D·k ± 1)."""
+    zigzag_against_dense(world, n, 2, key_padding)
 
 
 # --------------------------------------------------------------------------- graph only
@@ -394,44 +356,4 @@ def test_mistral_default_config_runs_tsp():
                 assert r["level"] == "tsp" and not r["fallbacks"] and r["matched"] == 4, r
 
 
-# --------------------------------------------------------------------------- memory
-
-
-def peak_worker(rank: int, world: int, seq: int) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import tspc
-    from tspc.memory import MemoryTracker
-
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=seq + 1,
-        use_cache=False,
-        pad_token_id=0,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(1, 64, (1, seq))
-    mask = torch.ones(1, seq, dtype=torch.long)
-    mask[0, :7] = 0  # left padding of the user's: key padding on top of tspc's own
-    compiled = torch.compile(model, backend="tsp", options={"outputs": "sharded"})
-    with torch.no_grad():
-        compiled(input_ids=ids, attention_mask=mask)  # compile outside the measurement
-        with MemoryTracker() as mt:
-            compiled(input_ids=ids, attention_mask=mask)
-    rep = tspc.last_report()
-    return {"peak": mt.peak_bytes, "masks": [m["recognised"] for m in rep.masks]}
-
-
-@pytest.mark.slow
-def test_padded_length_allocates_no_s_by_s_tensor():
-    seq = 4095
-    for r in spawn(peak_worker, 2, seq, timeout=600):
-        assert r["masks"] and all(r["masks"]), r
-        assert r["peak"] < seq * seq / 4, f"peak {r['peak']} bytes; S x S bool: {seq * seq}"
+# The padded length's memory (no S x S tensor at S = 4095): tests/test_memory_no_sxs.py.

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers import zigzag_against_dense
 from tspc.ops import attention_kernels as ak
 from tspc.ops import zigzag_attention as zz
-from tspc.runtime.zigzag import local_valid, padded_length, zigzag_slice
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -37,43 +36,6 @@ def test_kernel_choice(device, dtype, head_dim, masked, kernel):
     assert ak.choose_kernel(device, dtype, head_dim, masked) == kernel
 
 
-def _check_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -> None:
-    torch.manual_seed(0)
-    b, hq, d = 2, 4, 8
-    q = torch.randn(b, hq, n, d, requires_grad=True)
-    k = torch.randn(b, kv_heads, n, d, requires_grad=True)
-    v = torch.randn(b, kv_heads, n, d, requires_grad=True)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n)
-    valid = None
-    if key_padding:
-        valid = torch.ones(b, n, dtype=torch.bool)
-        valid[0, :3] = False  # rows that see no key
-        mask = mask & valid[:, None, None, :]
-    rep = hq // kv_heads
-    ref = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask
-    ).nan_to_num()
-    go = torch.randn_like(ref)
-    gq, gk, gv = torch.autograd.grad(ref, (q, k, v), go)
-    p = padded_length(n, world)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for r in range(world):
-        real = local_valid(n, r, world)
-        ql = zigzag_slice(q.detach(), 2, r, world, padded=p).requires_grad_()
-        kk, vv = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out, _ = zz.zigzag_causal_attention(ql, kk, vv, r, world, d**-0.5, valid)
-        want = zigzag_slice(ref, 2, r, world, padded=p)
-        torch.testing.assert_close(out[:, :, real], want[:, :, real], atol=5e-6, rtol=1e-5)
-        grad_local = zigzag_slice(go, 2, r, world, padded=p) * real[:, None]
-        a, bk, bv = torch.autograd.grad(out, (ql, kk, vv), grad_local)
-        want_q = zigzag_slice(gq, 2, r, world, padded=p)
-        torch.testing.assert_close(a[:, :, real], want_q[:, :, real], atol=5e-6, rtol=1e-5)
-        dk += bk
-        dv += bv
-    torch.testing.assert_close(dk, gk, atol=5e-6, rtol=1e-5)
-    torch.testing.assert_close(dv, gv, atol=5e-6, rtol=1e-5)
-
-
 @pytest.mark.parametrize("path", ["math", "fold"])
 @pytest.mark.parametrize("world, n", [(1, 16), (2, 32), (2, 13), (4, 30)])
 @pytest.mark.parametrize("kv_heads, key_padding", [(4, False), (2, True), (1, False)])
@@ -87,7 +49,7 @@ def test_gpu_code_paths_match_dense_causal_on_cpu(
         monkeypatch.setattr(ak, "choose_kernel", lambda *a: "math")
     else:
         monkeypatch.setattr(ak, "_native_gqa", lambda kernel: False)
-    _check_against_dense(world, n, kv_heads, key_padding)
+    zigzag_against_dense(world, n, kv_heads, key_padding)
 
 
 def _fake_cuda_ops(dtype, kv_heads, padding, head_dim=64, world=2, s=64):

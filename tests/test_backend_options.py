@@ -45,6 +45,17 @@ def test_bad_option_values(options, match):
         TSPOptions.from_dict(options)
 
 
+def test_inner_default_is_inductor_unless_tspc_inner_says(monkeypatch):
+    monkeypatch.delenv("TSPC_INNER", raising=False)
+    assert TSPOptions.from_dict({}).inner == "inductor"
+    monkeypatch.setenv("TSPC_INNER", "aot_eager")  # what the test suite runs with
+    assert TSPOptions.from_dict({}).inner == "aot_eager"
+    assert TSPOptions.from_dict({"inner": "inductor"}).inner == "inductor"  # an option wins
+    monkeypatch.setenv("TSPC_INNER", "tvm")
+    with pytest.raises(OptionError, match=r"TSPC_INNER='tvm' is not one of"):
+        TSPOptions.from_dict({})
+
+
 def test_group_must_be_a_process_group_or_mesh():
     from tspc.runtime.group import GroupResolutionError, resolve_group
 

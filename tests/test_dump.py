@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 REF_TARGET = f"{REPO / 'samples' / 'reference_model.py'}:build_reference_model"
 WORLD, LAYERS, SEQ, BATCH = 2, 2, 32, 2
 # one file per pass: the captured graph, then the graph after each pass of the pipeline
-PASS_FILES = ["00_captured.py"] + [f"{i:02d}_{name}.py" for i, name in enumerate(PIPELINE, 1)]
+PASS_FILES = ["00_captured.py"] + [f"{i:02d}_{p.name}.py" for i, p in enumerate(PIPELINE, 1)]
 ALL_FILES = {
     *PASS_FILES,
     "forward.py",

@@ -17,6 +17,7 @@ import functools
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import torch.fx as fx
 from tspc.passes.analyse import analyse
 from tspc.passes.specialize import specialize
 from tspc.runtime import comm
+from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
@@ -42,11 +44,12 @@ from tspc.runtime.tsp_params import (
     prepare,
 )
 
+from . import compiles
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
 from .options import TSPOptions
 from .pipeline import LEVELS, PipelineResult, run_pipeline
-from .report import CompileReport, remember
+from .report import CompileReport, last_graph_id, remember
 
 log = logging.getLogger("tspc")
 _GRAPH_IDS = itertools.count()
@@ -131,9 +134,17 @@ def _gc_paused(fn: Callable) -> Callable:
 
 @_gc_paused
 def _compile_static(
-    gm: fx.GraphModule, example_inputs: list[Any], group: TSPGroup, opts: TSPOptions
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    group: TSPGroup,
+    opts: TSPOptions,
+    why: tuple[str, str],
+    dynamo_compile_id: str | None,
 ) -> Callable:
+    """Run the passes and the inner compiler on a graph with static shapes. ``why`` is the
+    kind and the words of the reason for this compile (``tspc/compiles.py``)."""
     graph_id = next(_GRAPH_IDS)
+    t0 = time.perf_counter()
     start = {"tsp": "tsp", "sp": "sp", "none": "replicated"}[opts.schedules]
     errors: list[str] = []
     result: PipelineResult | None = None
@@ -161,13 +172,22 @@ def _compile_static(
             raise TSPCompileError(
                 "tspc (strict): these modules would not run the TSP schedules:\n" + lines
             )
+    event = compiles.CompileEvent(graph_id, why[0], why[1], dynamo_compile_id)
+    event.seconds["passes"] = time.perf_counter() - t0
+    report.compile_reason = why[1]
+    report.compile_seconds = event.seconds  # the same dict: the backward's time lands in both
     remember(report)
     log.info("%s", report.summary())
-    graphs = AotGraphs()
+    graphs = AotGraphs(compile_seconds=event.seconds)
     COMPILED.append(CompiledGraph(report, result, graphs))
     del COMPILED[:-KEEP_COMPILED]
     full_inputs = _static_shard_examples(result.example_inputs(example_inputs), len(example_inputs))
+    t1 = time.perf_counter()
     compiled = compile_inner(result.gm, full_inputs, opts, graphs)
+    # aot_autograd's trace and partition and the forward's inner compile; the backward's inner
+    # compile runs at the first backward (``AotGraphs.compile_seconds["backward"]``)
+    event.seconds["aot+forward"] = time.perf_counter() - t1
+    compiles.record(event)
     if opts.dump_dir:
         # Writes the dump now; the wrapper rewrites it after the first call and around the
         # first backward (measured counters, the backward graph): see tspc/dump.py.
@@ -218,7 +238,7 @@ def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
     Inputs without a Dynamo source would otherwise get symbolic sizes from the shape
     environment aot_autograd shares with Dynamo; the passes specialised every shape.
     """
-    ctx = torch._guards.TracingContext.try_get()
+    ctx = tracing_context()
     fake_mode = getattr(ctx, "fake_mode", None)
     if fake_mode is None:
         return inputs
@@ -320,35 +340,59 @@ class _CompiledTSPGraph:
 
 
 class _PerShapeCompiler:
-    """Compiles a symbolic-shape graph once per concrete input shape, at first use."""
+    """Compiles a symbolic-shape graph once per concrete input shape, at first use.
 
-    def __init__(self, gm: fx.GraphModule, group: TSPGroup, opts: TSPOptions):
+    The passes bake the local sequence length into shapes (chunk boundaries, views, the zigzag
+    reorder), so each new length is one compile of the passes and the inner compiler; Dynamo's
+    symbolic graph itself is not traced again. Each compile is counted and logged with the
+    inputs whose sizes changed (``tspc/compiles.py``)."""
+
+    def __init__(
+        self, gm: fx.GraphModule, group: TSPGroup, opts: TSPOptions, dynamo_id: str | None
+    ):
         self.gm = gm
         self.group = group
         self.opts = opts
+        self.dynamo_id = dynamo_id
         self.cache: dict[tuple, Callable] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.names = [n.name for n in placeholders]
         # 0-d inputs whose value ``specialize`` bakes in (Dynamo reads a module's float
         # attribute, a norm's eps, with ``.item()`` when shapes are dynamic): only their values
         # are part of the key; any other 0-d tensor (a temperature, a loss scale) may change
         # from call to call without a recompile.
         self.baked = {
             i
-            for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+            for i, n in enumerate(placeholders)
             if any(u.op == "call_method" and u.target == "item" for u in n.users)
         }
 
     def __call__(self, *args):
-        key = tuple(
-            (a.item() if i in self.baked and a.dim() == 0 else tuple(a.shape))
-            if isinstance(a, torch.Tensor)
-            else (a if isinstance(a, int) else None)
-            for i, a in enumerate(args)
-        )
+        key = compiles.shape_key(args, self.baked)
         fn = self.cache.get(key)
         if fn is None:
+            why = compiles.shape_change(key, list(self.cache), self.names, self.baked)
             with tspc_internal():
                 static = specialize(self.gm, list(args))
-                fn = _compile_static(static, list(args), self.group, self.opts)
+                # the length Dynamo first traced with static shapes (before it saw a second
+                # one) comes back here: its compile is reused, not repeated
+                reused = compiles.reuse_for(
+                    compiles.graph_signature(static, list(args)),
+                    self.names,
+                    _reuse_key(self.group, self.opts),
+                )
+                if reused is not None:
+                    fn, graph_id = reused
+                    compiles.log.info(
+                        "tspc: no compile for the %s: the graph compiled for Dynamo's static "
+                        "trace of the same shapes (graph %d) runs it",
+                        why[1].split(";")[0],
+                        graph_id,
+                    )
+                else:
+                    fn = _compile_static(
+                        static, list(args), self.group, self.opts, why, self.dynamo_id
+                    )
             self.cache[key] = fn
         return fn(*args)
 
@@ -385,7 +429,18 @@ def _tsp_backend(gm, example_inputs, options):
     _refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim)
     info = analyse(gm, example_inputs)
+    dynamo_id = compiles.dynamo_compile_id()
     if info.has_symbolic_inputs:
         log.info("tspc: symbolic shapes: compiling per concrete shape at first use")
-        return _PerShapeCompiler(gm, group, opts)
-    return _compile_static(gm, list(example_inputs), group, opts)
+        return _PerShapeCompiler(gm, group, opts, dynamo_id)
+    why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
+    fn = _compile_static(gm, list(example_inputs), group, opts, why, dynamo_id)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    signature = compiles.graph_signature(gm, list(example_inputs))
+    compiles.remember_static(signature, _reuse_key(group, opts), fn, names, last_graph_id())
+    return fn
+
+
+def _reuse_key(group: TSPGroup, opts: TSPOptions) -> tuple:
+    """What besides the graph a compile depends on: the TSP group and the options."""
+    return (group.name, group.size, group.rank, group.dp_name, group.dp_size, opts)

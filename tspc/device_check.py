@@ -24,9 +24,13 @@ import re
 from collections.abc import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tspc.runtime.compat import fake_tensor_mode, has_kernel_for_dispatch_key
+from tspc.runtime.compat import (
+    OpOverload,
+    TorchDispatchMode,
+    fake_tensor_mode,
+    has_kernel_for_dispatch_key,
+)
 
 _COMPOSITE = (
     "CompositeExplicitAutograd",
@@ -97,7 +101,7 @@ def _yaml_has_cuda(name: str) -> bool | None:
     return any(k == "CUDA" or k.startswith("Composite") for k in keys)
 
 
-def has_cuda_kernel(op: torch._ops.OpOverload) -> bool:
+def has_cuda_kernel(op: OpOverload) -> bool:
     """Whether ``op`` can run on CUDA (see the module doc)."""
     name = op.name()
     if "_for_cpu" in name:
@@ -113,16 +117,16 @@ def has_cuda_kernel(op: torch._ops.OpOverload) -> bool:
     return False
 
 
-def graph_ops(gms: Iterable[torch.fx.GraphModule]) -> set[torch._ops.OpOverload]:
+def graph_ops(gms: Iterable[torch.fx.GraphModule]) -> set[OpOverload]:
     return {
         n.target
         for gm in gms
         for n in gm.graph.nodes
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        if n.op == "call_function" and isinstance(n.target, OpOverload)
     }
 
 
-def cpu_only_ops(ops: Iterable[torch._ops.OpOverload]) -> list[str]:
+def cpu_only_ops(ops: Iterable[OpOverload]) -> list[str]:
     """Names of the ops that have no CUDA kernel, sorted."""
     return sorted({op.name() for op in ops if not has_cuda_kernel(op)})
 
@@ -130,7 +134,7 @@ def cpu_only_ops(ops: Iterable[torch._ops.OpOverload]) -> list[str]:
 class _OpRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: set[torch._ops.OpOverload] = set()
+        self.ops: set[OpOverload] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.add(func)
@@ -176,7 +180,7 @@ def attention_kernel_ops(gms: Iterable[torch.fx.GraphModule]) -> dict[str, set]:
     return out
 
 
-def kernels_named(ops: Iterable[torch._ops.OpOverload]) -> list[str]:
+def kernels_named(ops: Iterable[OpOverload]) -> list[str]:
     """The attention kernels (``ATTENTION_OPS`` names) among ``ops``, sorted."""
     return sorted({ATTENTION_OPS[op.name()] for op in ops if op.name() in ATTENTION_OPS})
 

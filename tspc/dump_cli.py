@@ -244,11 +244,12 @@ def load_target(
 def fake_process_group(rank: int, world: int) -> Iterator[None]:
     """rank r of D on torch's ``fake`` backend: collectives complete at once, move nothing."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tspc.runtime.compat import fake_process_group_store
 
     if dist.is_initialized():
         raise DumpError("tspc dump starts its own fake process group; one is already initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -290,11 +291,10 @@ def _clear_old_dump(rank_dir: str) -> None:
 def _on_fake_cuda(target: Target, backward: bool) -> Iterator[tuple[Target, bool]]:
     """``target`` on fake CUDA tensors, and whether a backward can run (needs a real GPU)."""
     import torch
-    from torch.utils._pytree import tree_map
 
     from tspc import fake_cuda
     from tspc.measure import _keep_fake_parameter_class
-    from tspc.runtime.compat import fake_tensor_mode
+    from tspc.runtime.compat import fake_tensor_mode, tree_map
 
     try:
         fake_cuda.ensure_device_guard()
@@ -341,6 +341,8 @@ def dump_rank(
         )
         with on_device as (target, backward):
             opts = {**options, "dump_dir": out}
+            if device == "cuda":  # fake CUDA tensors: Inductor would need a GPU toolchain
+                opts.setdefault("inner", "aot_eager")
             compiled = torch.compile(target.model, backend="tsp", options=opts)
             result = compiled(*target.args, **target.kwargs)
             if backward:

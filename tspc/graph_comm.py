@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.comm import START_KIND, START_TO_WAIT, WAIT_OPS
+from tspc.runtime.compat import OpOverload
 from tspc.runtime.counters import KINDS
 
 # Ops that do the work a transfer should hide behind: GEMMs and attention kernels.
@@ -132,7 +133,7 @@ class GraphSchedule:
 
 
 def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return f"{target.namespace}.{target._opname}"
     return getattr(target, "__name__", str(target))
 

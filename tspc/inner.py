@@ -10,8 +10,10 @@
   would undo the schedule: it fuses elementwise kernels of different head groups that read the
   same tables (RoPE's cos/sin), which drags group r+1's projections — and the wait for its
   weights — in front of group r's attention, and it reorders nodes for memory and locality.
-  So our graphs are compiled with no fusion across a collective (``_FenceChoices``) and without
-  those two reorderings; within the compute between two collectives Inductor fuses freely.
+  So our graphs are compiled with no fusion across a collective (``_FenceChoices``), without
+  those two reorderings, and with a GEMM that its ``mm + add -> addmm`` pattern moved past a
+  wait put back before it (``split_addmm_across_waits``); within the compute between two
+  collectives Inductor fuses freely.
 * ``eager`` — the rewritten graph as a Python function; autograd records it op by op (debugging;
   backward then keeps the broadcast weights alive).
 
@@ -20,6 +22,8 @@ Both aot variants run the overlap scheduler on the forward and the backward grap
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +38,8 @@ from tspc.runtime.comm import START_KIND, WAIT_OPS
 from tspc.runtime.compat import joint_graph_cse, partitioner_without_cse
 
 from .options import TSPOptions
+
+compile_log = logging.getLogger("tspc.compiles")
 
 _RECOMPUTE_STARTS = (
     torch.ops.tspc.broadcast_start.default,
@@ -248,6 +254,60 @@ def _fence_choices():
     return _FenceChoices()
 
 
+def split_addmm_across_waits(graph: fx.Graph) -> int:
+    """Undo Inductor's ``mm`` + ``add`` -> ``addmm`` fusion where a wait lies between them.
+
+    The schedule overlaps a GEMM with a transfer by placing it before the transfer's wait; when
+    its result is accumulated only after the wait (the MLP ring's backward adds a weight
+    gradient GEMM to the next step's), Inductor's post-grad pattern fuses the two into one
+    ``addmm`` at the add's place, after the wait, and the GEMM no longer overlaps anything. Here
+    such an ``addmm`` becomes the GEMM again, just before the latest wait after its operands
+    are ready, and the add where it was. Returns the number split."""
+    aten = torch.ops.aten
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waits = [n for n in graph.nodes if n.op == "call_function" and n.target in WAIT_OPS]
+    split = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.addmm.default or n.kwargs:
+            continue
+        inp, mat1, mat2 = n.args[:3]
+        ready = max(
+            (x for x in (mat1, mat2) if isinstance(x, fx.Node)),
+            key=order.__getitem__,
+            default=None,
+        )
+        if ready is None:
+            continue
+        between = [w for w in waits if order[ready] < order[w] < order[n]]
+        if not between:
+            continue
+        with graph.inserting_before(between[-1]):
+            gemm = graph.call_function(aten.mm.default, (mat1, mat2))
+        gemm.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        if "val" in n.meta:
+            gemm.meta["val"] = torch.empty_like(n.meta["val"])  # addmm's shape, dtype, device
+        with graph.inserting_before(n):
+            add = graph.call_function(aten.add.Tensor, (inp, gemm))
+        add.meta.update(n.meta)
+        n.replace_all_uses_with(add)
+        graph.erase_node(n)
+        split += 1
+    return split
+
+
+def _split_addmm_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class _SplitAddmmAcrossWaits(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            split_addmm_across_waits(graph)
+
+        def uuid(self):  # part of Inductor's FX graph cache key
+            return get_hash_for_files((__file__,))
+
+    return _SplitAddmmAcrossWaits()
+
+
 def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
     """``compile_fx_inner`` keeping the collectives' schedule (module docstring)."""
     from torch._inductor import config as inductor_config
@@ -257,7 +317,11 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
     if not any(_is_collective(n) for n in g.graph.nodes):
         return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
     with (
-        inductor_config.patch(reorder_for_peak_memory=False, reorder_for_locality=False),
+        inductor_config.patch(
+            reorder_for_peak_memory=False,
+            reorder_for_locality=False,
+            post_grad_custom_post_pass=_split_addmm_pass(),
+        ),
         V.set_choices_handler(_fence_choices()),
     ):
         return compile_fx_inner(g, ex, is_backward=is_backward)
@@ -277,6 +341,9 @@ class AotGraphs:
     # Dump hook (tspc/dump.py): wraps the backward once aot_autograd compiles it, lazily at the
     # first backward call, so the dump can add the backward graph and what it communicated.
     on_backward_compiled: Callable[[Callable], Callable] | None = None
+    # seconds spent in the inner compiler per graph ("forward", "backward"), added to the
+    # compile record of this graph (``tspc/compiles.py``); shared with the report
+    compile_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _with_timeout(fn: Callable, seconds: float) -> Callable:
@@ -302,6 +369,18 @@ def compile_inner(
 
     def make(kind: str):
         def compiler(g: fx.GraphModule, ex):
+            t0 = time.perf_counter()
+            fn = compile_one(g, ex)
+            graphs.compile_seconds[kind] = time.perf_counter() - t0
+            if kind == "backward":
+                compile_log.info(
+                    "tspc: backward of the latest graph compiled in %.2f s (%s)",
+                    graphs.compile_seconds[kind],
+                    opts.inner,
+                )
+            return fn
+
+        def compile_one(g: fx.GraphModule, ex):
             if opts.overlap:
                 schedule_overlap(g)
             (graphs.forward if kind == "forward" else graphs.backward).append(g.code)

@@ -63,9 +63,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from tspc.runtime.compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = [
     "CATEGORIES",
@@ -391,7 +391,8 @@ class RankMeasurement:
 def _fake_group(rank: int, world: int) -> Iterator[None]:
     """Rank ``rank`` of ``world`` on torch's ``fake`` process-group backend, for the duration."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tspc.runtime.compat import fake_process_group_store
 
     if dist.is_initialized():
         backend = dist.get_backend()
@@ -401,7 +402,7 @@ def _fake_group(rank: int, world: int) -> Iterator[None]:
                 "group is already initialised in this process"
             )
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=rank, world_size=world)
     try:
         yield
     finally:
@@ -432,9 +433,8 @@ def _keep_fake_parameter_class() -> Iterator[None]:
     """
     from unittest import mock
 
-    from torch._subclasses.fake_tensor import FakeTensor
-
     from tspc.runtime import release
+    from tspc.runtime.compat import FakeTensor
 
     if not hasattr(release, "ReleasedParameter"):
         yield
@@ -465,9 +465,8 @@ def measure_rank(
     backward, AdamW step; two warm-up steps compile and create the optimizer state, the third
     is measured) or "forward" (the loss under ``torch.no_grad()``).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     import tspc
+    from tspc.runtime.compat import FakeTensorMode
     from tspc.samples.reference_model import RefModel
 
     if mode not in MODES:
@@ -485,7 +484,10 @@ def measure_rank(
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         compiled = torch.compile(
-            model, backend="tsp", options={"schedules": schedules, "recompute": recompute}
+            model,
+            backend="tsp",
+            # fake tensors: aot_eager (Inductor would generate and build kernels for them)
+            options={"schedules": schedules, "recompute": recompute, "inner": "aot_eager"},
         )
         optimizer = None
         for _ in range(2):  # the first call compiles; a recompile would come at the second

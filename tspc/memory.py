@@ -392,7 +392,7 @@ def comm_region() -> contextlib.AbstractContextManager:
 def _storages(t: torch.Tensor | None) -> Iterator[torch.UntypedStorage]:
     if t is None:
         return
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from tspc.runtime.compat import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(t):  # DTensor and friends: count the local tensors
         attrs, _ = t.__tensor_flatten__()

@@ -33,8 +33,11 @@ class TSPOptions:
         undo the memory saving.
     overlap: schedule transfers ahead of the compute that hides them (True) or leave each
         transfer next to its use (False; for measuring what overlap buys).
-    inner: compiler for the local compute: "aot_eager" (default), "inductor", or "eager"
-        (debugging: no aot_autograd, so backward keeps weights alive instead of re-streaming).
+    inner: compiler for the local compute: "inductor" (default: Inductor's kernels for the
+        compute between transfers), "aot_eager" (the same aot_autograd graphs run op by op:
+        compiles in a fraction of Inductor's time; the tests use it), or "eager" (debugging:
+        no aot_autograd, so backward keeps weights alive instead of re-streaming). The
+        environment variable TSPC_INNER sets the default for options that do not name one.
     strict: raise instead of falling back when a pass cannot handle part of the model.
     dump_dir: write the graphs after each pass and a report there (also TSPC_DUMP_DIR).
     schedules: "tsp" (default); "sp" shards only the sequence (weights replicated, K/V
@@ -58,7 +61,7 @@ class TSPOptions:
     inputs: str = "replicated"
     outputs: str = "gathered"
     overlap: bool = True
-    inner: str = "aot_eager"
+    inner: str = "inductor"
     strict: bool = False
     dump_dir: str | None = None
     schedules: str = "tsp"
@@ -74,6 +77,12 @@ class TSPOptions:
         unknown = sorted(set(options) - set(known))
         if unknown:
             raise OptionError(f"unknown tsp backend option(s) {unknown}; known options: {known}")
+        if "inner" not in options and os.environ.get("TSPC_INNER"):
+            if os.environ["TSPC_INNER"] not in _CHOICES["inner"]:
+                raise OptionError(
+                    f"TSPC_INNER={os.environ['TSPC_INNER']!r} is not one of {list(_CHOICES['inner'])}"
+                )
+            options["inner"] = os.environ["TSPC_INNER"]
         for name, choices in _CHOICES.items():
             if name in options and options[name] not in choices:
                 raise OptionError(f"option {name}={options[name]!r} is not one of {list(choices)}")

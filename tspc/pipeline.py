@@ -1,17 +1,24 @@
-"""The pass pipeline, in order, with a snapshot of the graph after each pass.
+"""The pass pipeline: a list of passes, run in order by one loop, a snapshot after each.
 
-    inline_checkpoints -> analyse -> canonicalize_attention -> classify_masks -> match_attention, match_mlp -> shard_sequence -> chunk_loss -> rewrite_attention
-            -> rewrite_mlp -> recompute -> schedule_overlap -> (inner compiler: tspc/inner.py)
+``PIPELINE`` below is the whole order (one ``Pass`` per step, its function right under it). Every
+pass has the same signature, ``step(ctx: PassContext) -> None``: the graph and what passes hand
+to each other (the matches, the sequence length, the weight shards the rewrites ask for) live
+in the context, and each step calls the pass module's plain function over the graph
+(``tspc/passes/*.py``, testable without a process group). A ``Pass`` may be skipped at some
+levels (``applies``).
 
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
 (sequence sharding only: replicated weights, K/V all-gathered), or "replicated" (no pass
 changes the graph; every rank computes everything). The backend falls back from a level to the
-next when a pass fails, unless the user asked for ``strict``.
+next when a pass fails, unless the user asked for ``strict``. After the pipeline the inner
+compiler (``tspc/inner.py``) traces forward and backward with aot_autograd, tags the transfers
+for the partitioner and runs ``schedule_overlap`` again on each of the two graphs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,19 +60,6 @@ from .report import CompileReport, ModuleEntry
 
 log = logging.getLogger("tspc")
 
-PIPELINE = (
-    "inline_checkpoints",
-    "analyse",
-    "canonicalize_attention",
-    "classify_masks",
-    "match",
-    "shard_sequence",
-    "chunk_loss",
-    "rewrite_attention",
-    "rewrite_mlp",
-    "recompute",
-    "schedule",
-)
 LEVELS = ("tsp", "sp", "replicated")
 
 
@@ -80,6 +74,199 @@ class PipelineResult:
 
     def example_inputs(self, original: list[Any]) -> list[Any]:
         return list(original) + [s.example for s in self.shard_inputs]
+
+
+@dataclass
+class PassContext:
+    """What the passes of one compile share: the graph, its inputs, the group and options, the
+    report being written, and what one pass hands to a later one."""
+
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+    group: TSPGroup
+    opts: TSPOptions
+    level: str
+    report: CompileReport
+    info: Any = None  # passes.analyse.GraphInfo: the inputs (parameters, buffers, user inputs)
+    checkpointed: bool = False  # the model had torch.utils.checkpoint regions (inlined)
+    changed_by_eager: bool = False  # canonicalize_attention replaced eager attention
+    att_matches: list = field(default_factory=list)
+    mlp_matches: list = field(default_factory=list)
+    seq_len: int | None = None
+    shards: ShardInputs | None = None  # the weight shards the rewrites asked for
+
+    @property
+    def rewrites(self) -> bool:
+        """Whether the TSP schedules run (level 'tsp' and schedules='tsp')."""
+        return self.level == "tsp" and self.opts.schedules == "tsp"
+
+    @property
+    def shards_sequence(self) -> bool:
+        return self.level != "replicated" and self.group.size > 1 and bool(self.seq_len)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[PassContext], None]
+    applies: Callable[[PassContext], bool] = lambda ctx: True
+
+
+def _inline_checkpoints(ctx: PassContext) -> None:
+    ctx.checkpointed = bool(inline_checkpoints(ctx.gm))
+    if ctx.checkpointed:
+        ctx.report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
+
+
+def _analyse(ctx: PassContext) -> None:
+    ctx.info = analyse(ctx.gm, ctx.example_inputs)
+    if not adopt_static_values(ctx.gm):  # else Dynamo's values serve until the graph changes
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
+def _canonicalize_attention(ctx: PassContext) -> None:
+    eager = canonicalize_eager_attention(ctx.gm)
+    for e in eager:
+        if not e.replaced:  # an entry, so that no attention is silently left out
+            ctx.report.entries.append(
+                ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
+            )
+    ctx.changed_by_eager = bool(eager)
+
+
+def _classify_masks(ctx: PassContext) -> None:
+    masks = classify_masks(ctx.gm)
+    ctx.report.masks = [vars(m) for m in masks]
+    if masks or ctx.changed_by_eager:  # the graph changed: new nodes need their values
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
+def _match(ctx: PassContext) -> None:
+    D = ctx.group.size
+    ctx.att_matches, att_skips = match_attention(ctx.gm, ctx.info, D)
+    claimed = set()
+    for m in ctx.att_matches:
+        claimed |= {p.linear for p in m.projections()} | {m.o_linear}
+    ctx.mlp_matches, mlp_skips = match_mlp(ctx.gm, ctx.info, D, claimed)
+    for s in att_skips + mlp_skips:
+        ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
+    ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
+
+
+def _shard_sequence(ctx: PassContext) -> None:
+    if not ctx.shards_sequence:
+        if ctx.group.size > 1 and ctx.level != "replicated":
+            ctx.report.notes.append("no self-attention found: the sequence is not sharded")
+        return
+    sr = shard_sequence(
+        ctx.gm,
+        ctx.info,
+        ctx.group,
+        ctx.seq_len,
+        gather_outputs=ctx.opts.outputs == "gathered",
+        tags={m.sdpa: m.module for m in ctx.att_matches},
+    )
+    ctx.report.sharded_inputs = sr.sharded_inputs
+    ctx.report.padded_seq_len = sr.padded_len
+    ctx.report.gathers = sr.gathers
+    ctx.report.notes += sr.notes
+    propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
+def _chunk_loss(ctx: PassContext) -> None:
+    ctx.report.notes += chunk_loss(ctx.gm, ctx.opts.loss_chunk)
+
+
+def _rewrite_attention(ctx: PassContext) -> None:
+    report = ctx.report
+    if not ctx.rewrites:
+        _report_not_rewritten(ctx, "attention", ctx.att_matches)
+        return
+    ctx.shards = ShardInputs(ctx.gm, ctx.info, ctx.group)
+    for m in ctx.att_matches:
+        out = rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+        if isinstance(out, AttentionRewrite):
+            details = {
+                k: v for k, v in vars(out).items() if k not in ("module", "notes", "model_kv_heads")
+            }
+            kv_heads = out.model_kv_heads or m.kv_heads  # the model's, for the formula
+            details.update(q_heads=m.q_heads, kv_heads=kv_heads, head_dim=m.head_dim)
+            report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
+            report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
+            report.notes += [f"{m.module}: {note}" for note in out.notes]
+        else:
+            report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
+    # No propagation here: a rewrite reads only the metadata of its own layer's original
+    # nodes, which no other rewrite touches; the one after the MLP rewrites gives every new
+    # node its value and validates the whole rewritten graph (each propagation runs every
+    # node on fake tensors: a large share of the passes' time).
+    rewritten = {
+        m.sdpa.name
+        for m in ctx.att_matches
+        if any(e.module == m.module and e.status == "matched" for e in report.entries)
+    }
+    # K/V gathers of the sequence pass that the schedule replaced are not in the program.
+    report.gathers = [x for x in report.gathers if x["for"] not in rewritten]
+
+
+def _rewrite_mlp(ctx: PassContext) -> None:
+    if not ctx.rewrites:
+        _report_not_rewritten(ctx, "mlp", ctx.mlp_matches)
+        return
+    for m in ctx.mlp_matches:
+        out = rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+        details = {k: v for k, v in vars(out).items() if k != "module"}
+        details["intermediate"] = m.intermediate
+        ctx.report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
+        ctx.report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
+    eliminate_dead_code(ctx.gm.graph)  # once for all layers; each rewrite erased its own
+    propagate_shapes(ctx.gm, ctx.example_inputs + ctx.shards.examples)
+
+
+def _report_not_rewritten(ctx: PassContext, kind: str, matches: list) -> None:
+    why = "schedules='sp'" if ctx.opts.schedules == "sp" else f"level '{ctx.level}'"
+    for m in matches:
+        ctx.report.entries.append(ModuleEntry(kind, m.module, "skipped", f"not rewritten ({why})"))
+
+
+def _recompute(ctx: PassContext) -> None:
+    opts = ctx.opts
+    if opts.recompute == "none":
+        if ctx.checkpointed:
+            extend_checkpoint_regions(ctx.gm)
+            recompute_ring_projections(ctx.gm)  # rings inside a user's checkpoint regions
+        return
+    regions = tag_recompute(
+        ctx.gm,
+        [m.module for m in ctx.att_matches],
+        [m.module for m in ctx.mlp_matches],
+        opts.recompute,
+    )
+    recompute_ring_projections(ctx.gm)
+    what = "block" if opts.recompute == "full" else "attention"
+    ctx.report.notes.append(
+        f"recompute={opts.recompute}: {len(regions)} {what} region(s) recomputed in backward"
+        + (f" ({regions[0]} ... {regions[-1]})" if regions else "")
+    )
+
+
+def _schedule(ctx: PassContext) -> None:
+    schedule_overlap(ctx.gm)
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("inline_checkpoints", _inline_checkpoints),
+    Pass("analyse", _analyse),
+    Pass("canonicalize_attention", _canonicalize_attention),
+    Pass("classify_masks", _classify_masks),
+    Pass("match", _match),
+    Pass("shard_sequence", _shard_sequence),
+    Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
+    Pass("rewrite_attention", _rewrite_attention),
+    Pass("rewrite_mlp", _rewrite_mlp),
+    Pass("recompute", _recompute),
+    Pass("schedule", _schedule, lambda ctx: ctx.opts.overlap),
+)
 
 
 def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -113,9 +300,10 @@ def run_pipeline(
     level: str = "tsp",
     graph_id: int = 0,
 ) -> PipelineResult:
-    D = group.size
+    """Every pass of ``PIPELINE`` that applies, in order, on a copy of Dynamo's graph."""
     gm = fresh_copy(dynamo_gm)
-    report = CompileReport(rank=group.rank, world=D, level=level, graph_id=graph_id)
+    report = CompileReport(rank=group.rank, world=group.size, level=level, graph_id=graph_id)
+    ctx = PassContext(gm, list(example_inputs), group, opts, level, report)
     res = PipelineResult(gm, report)
 
     def snap(name: str) -> None:
@@ -126,116 +314,14 @@ def run_pipeline(
             res.snapshots.append((name, gm.code))
 
     snap("captured")
-    checkpointed = inline_checkpoints(gm)
-    if checkpointed:
-        report.notes.append("activation-checkpoint regions inlined (tagged for recompute)")
-    snap("inline_checkpoints")
-    info = analyse(gm, example_inputs)
-    if not adopt_static_values(gm):  # else Dynamo's values serve until the graph changes
-        propagate_shapes(gm, example_inputs)
-    snap("analyse")
-    eager = canonicalize_eager_attention(gm)
-    for e in eager:
-        if not e.replaced:  # an entry, so that no attention is silently left out
-            report.entries.append(
-                ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
-            )
-    snap("canonicalize_attention")
-    masks = classify_masks(gm)
-    report.masks = [vars(m) for m in masks]
-    if masks or eager:  # the graph changed: new nodes need their values
-        propagate_shapes(gm, example_inputs)
-    snap("classify_masks")
-    att_matches, att_skips = match_attention(gm, info, D)
-    claimed = set()
-    for m in att_matches:
-        claimed |= {p.linear for p in m.projections()} | {m.o_linear}
-    mlp_matches, mlp_skips = match_mlp(gm, info, D, claimed)
-    for s in att_skips + mlp_skips:
-        report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
-    snap("match")
-    seq_len = find_sequence_length(gm)
-    report.seq_len = seq_len
-    if level == "replicated" or D == 1 or not seq_len:
-        if D > 1 and level != "replicated":
-            report.notes.append("no self-attention found: the sequence is not sharded")
-    else:
-        tags = {m.sdpa: m.module for m in att_matches}
-        sr = shard_sequence(
-            gm, info, group, seq_len, gather_outputs=opts.outputs == "gathered", tags=tags
-        )
-        report.sharded_inputs = sr.sharded_inputs
-        report.padded_seq_len = sr.padded_len
-        report.gathers = sr.gathers
-        report.notes += sr.notes
-        propagate_shapes(gm, example_inputs)
-        report.notes += chunk_loss(gm, opts.loss_chunk)
-    snap("shard_sequence")
-
-    if level == "tsp" and opts.schedules == "tsp":
-        shards = ShardInputs(gm, info, group)
-        for m in att_matches:
-            out = rewrite_attention(gm, info, m, group, shards)
-            if isinstance(out, AttentionRewrite):
-                details = {
-                    k: v
-                    for k, v in vars(out).items()
-                    if k not in ("module", "notes", "model_kv_heads")
-                }
-                kv_heads = out.model_kv_heads or m.kv_heads  # the model's, for the formula
-                details.update(q_heads=m.q_heads, kv_heads=kv_heads, head_dim=m.head_dim)
-                report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))
-                report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
-                report.notes += [f"{m.module}: {note}" for note in out.notes]
-            else:
-                report.entries.append(ModuleEntry("attention", m.module, "skipped", out.reason))
-        # No propagation here: a rewrite reads only the metadata of its own layer's original
-        # nodes, which no other rewrite touches; the one after the MLP rewrites gives every
-        # new node its value and validates the whole rewritten graph (each propagation runs
-        # every node on fake tensors: a large share of the passes' time).
-        rewritten = {
-            m.sdpa.name
-            for m in att_matches
-            if any(e.module == m.module and e.status == "matched" for e in report.entries)
-        }
-        # K/V gathers of the sequence pass that the schedule replaced are not in the program.
-        report.gathers = [x for x in report.gathers if x["for"] not in rewritten]
-        snap("rewrite_attention")
-        for m in mlp_matches:
-            out = rewrite_mlp(gm, info, m, group, shards)
-            details = {k: v for k, v in vars(out).items() if k != "module"}
-            details["intermediate"] = m.intermediate
-            report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
-            report.predicted_recv_bytes[m.module] = out.predicted_recv_bytes
-        eliminate_dead_code(gm.graph)  # once for all layers; each rewrite erased its own
-        propagate_shapes(gm, example_inputs + shards.examples)
-        res.shard_inputs = shards.items
-        snap("rewrite_mlp")
-    else:
-        why = "schedules='sp'" if opts.schedules == "sp" else f"level '{level}'"
-        for m in att_matches:
-            report.entries.append(
-                ModuleEntry("attention", m.module, "skipped", f"not rewritten ({why})")
-            )
-        for m in mlp_matches:
-            report.entries.append(ModuleEntry("mlp", m.module, "skipped", f"not rewritten ({why})"))
-    if opts.recompute != "none":
-        regions = tag_recompute(
-            gm, [m.module for m in att_matches], [m.module for m in mlp_matches], opts.recompute
-        )
-        what = "block" if opts.recompute == "full" else "attention"
-        report.notes.append(
-            f"recompute={opts.recompute}: {len(regions)} {what} region(s) recomputed in backward"
-            + (f" ({regions[0]} ... {regions[-1]})" if regions else "")
-        )
-    elif checkpointed:
-        extend_checkpoint_regions(gm)
-    recompute_ring_projections(gm)
-    snap("recompute")
-    if opts.overlap:
-        schedule_overlap(gm)
-    snap("schedule")
+    for p in PIPELINE:
+        if p.applies(ctx):
+            log.debug("tspc: pass %s (level %s, graph %d)", p.name, level, graph_id)
+            p.run(ctx)
+        snap(p.name)
     recompile_if_stale(gm)
+    if ctx.shards is not None:
+        res.shard_inputs = ctx.shards.items
     report.entries.sort(key=lambda e: (_natural_key(e.module), e.kind))
     return res
 

@@ -43,6 +43,10 @@ class CompileReport:
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     graph_id: int = 0
+    # why this graph was compiled (``tspc/compiles.py``) and what it cost so far, in seconds:
+    # passes, aot+forward, and backward once the first backward compiled it
+    compile_reason: str = ""
+    compile_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def matched(self) -> list[ModuleEntry]:
@@ -73,6 +77,8 @@ class CompileReport:
                 else ""
             )
         ]
+        if self.compile_reason:
+            lines.append(f"  compiled because: {self.compile_reason}")
         for e in self.entries:
             extra = f" ({e.reason})" if e.reason else ""
             lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tspc.runtime.compat import dispatch_key_for_device
+
 from .attention_kernels import block_backward, block_forward
 
 # ----------------------------------------------------------------------------- the block plan
@@ -514,5 +516,5 @@ for _device in ("cpu", "cuda"):
     _AUTOCAST_LIB.impl(
         "zigzag_causal_attention",
         _autocast_kernel(_device),
-        "Autocast" + torch._C._dispatch_key_for_device(_device),
+        "Autocast" + dispatch_key_for_device(_device),
     )

@@ -1,0 +1,136 @@
+"""One compile per model and shape: a second training step compiles nothing, a new sequence
+length compiles the rewritten graph once (never the rest again), each compile counted and given
+a reason (``tspc/compiles.py``).
+
+Counted three ways that do not depend on each other: Dynamo's own counters (how many graphs
+Dynamo traced), calls of the inner compiler (``tspc.backend.compile_inner``, wrapped here), and
+tspc's compile records, whose kinds say why each compile happened.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tspc.launch import spawn
+
+# a second step, a new length, a length seen before, the first length again (Dynamo now runs its
+# symbolic graph for it: tspc reuses the compile of Dynamo's static trace)
+LENGTHS = (16, 16, 24, 24, 16)
+
+
+def _steps(rank, world):
+    import tspc.backend as backend
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+    from tspc.runtime.compat import dynamo_counters
+
+    inner_calls = []
+    compile_inner = backend.compile_inner
+
+    def counting(*args, **kwargs):
+        inner_calls.append(1)
+        return compile_inner(*args, **kwargs)
+
+    backend.compile_inner = counting
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("tspc.compiles").addHandler(Keep())
+    logging.getLogger("tspc.compiles").setLevel(logging.INFO)
+    results = {}
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        dynamo_counters().clear()
+        inner_calls.clear()
+        lines.clear()
+        # another MLP width per case: a graph of the same shapes compiled by the first case may
+        # legitimately be reused by the second (as Dynamo reuses a graph for another module)
+        model = build_reference_model(
+            hidden_size=32,
+            intermediate_size=64 if dynamic is None else 96,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+        )
+        # built before the first call: its first step swaps in the DTensor parameters
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options={"inner": "aot_eager"})
+        per_step = []
+        first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+        lengths = LENGTHS if dynamic is None else (16, 16, 24, 16)
+        for s in lengths:
+            before = len(inner_calls)
+            ids = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s))
+            cm(ids).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(inner_calls) - before)
+        results[dynamic] = {
+            "per_step": per_step,
+            "unique_graphs": dynamo_counters()["stats"]["unique_graphs"],
+            "tspc": dict(dynamo_counters()["tspc"]),
+            "kinds": [e.kind for e in compiles.events(first)],
+            "lines": list(lines),
+        }
+    backend.compile_inner = compile_inner
+    return results
+
+
+@pytest.mark.slow
+def test_second_step_and_new_length_compile_once():
+    from tspc import compiles
+
+    results = spawn(_steps, 2, timeout=600)
+    # every rank compiles the same graphs at the same steps
+    assert [r[k]["per_step"] for r in results for k in r] == [
+        results[0][k]["per_step"] for _ in results for k in results[0]
+    ]
+    auto = results[0][None]
+    # Dynamo: static at the first length, symbolic from the second (automatic dynamic)
+    assert auto["unique_graphs"] == 2
+    # tspc: once per distinct length, never at a second step or a length seen before
+    assert auto["per_step"] == [1, 0, 1, 0, 0]
+    assert auto["kinds"] == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH]
+    assert auto["tspc"] == {
+        "compiles": 2,
+        f"reason:{compiles.NEW_GRAPH}": 1,
+        f"reason:{compiles.NEW_SYMBOLIC_GRAPH}": 1,
+    }
+    # the first length's return reuses the compile of Dynamo's static trace, and says so
+    assert any("no compile for the new shape" in ln and "[2, 16]" in ln for ln in auto["lines"])
+    marked = results[0][True]
+    # dynamic=True: Dynamo traces once; tspc compiles once per length and logs what changed
+    assert marked["unique_graphs"] == 1
+    assert marked["per_step"] == [1, 0, 1, 0]
+    assert marked["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+    assert any("[2, 24] (was [2, 16])" in ln for ln in marked["lines"])
+
+
+def test_static_compile_is_reused_only_under_the_same_grad_mode():
+    """The first length's compile (Dynamo's static trace, made under ``no_grad``) is not reused
+    by the symbolic graph for a call with gradients: that call compiles, and its gradients
+    reach the weights (one process, D = 1)."""
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+
+    model = build_reference_model(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2
+    )
+    cm = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
+    first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+    with torch.no_grad():
+        for s in (16, 24, 16):  # static 16, symbolic 24, 16 again: reused (same grad mode)
+            cm(torch.randint(0, 256, (2, s)))
+    assert len(compiles.events(first)) == 2
+    # Dynamo traces again for grad mode (symbolic at once); tspc compiles that graph rather than
+    # reusing the no_grad compile of the same signature
+    cm(torch.randint(0, 256, (2, 16))).float().sum().backward()
+    kinds = [e.kind for e in compiles.events(first)]
+    assert kinds == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SYMBOLIC_GRAPH]
+    assert model.lm_head.weight.grad is not None
