@@ -25,11 +25,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-try:  # private to torch (Dynamo and Inductor use it); without it code is generated eagerly
-    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
-except ImportError:  # pragma: no cover - other torch versions
-    _GraphModule = fx.GraphModule
-
 from tspc.passes.analyse import (
     adopt_static_values,
     analyse,
@@ -53,7 +48,9 @@ from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
+from tspc.runtime.compat import LazyGraphModule
 from tspc.runtime.group import TSPGroup
+from tspc.runtime.shard_store import STORE, ShardStore
 
 from .options import TSPOptions
 from .report import CompileReport, ModuleEntry
@@ -94,6 +91,8 @@ class PassContext:
     mlp_matches: list = field(default_factory=list)
     seq_len: int | None = None
     shards: ShardInputs | None = None  # the weight shards the rewrites asked for
+    # where the rewrites declare every rank's slices of a weight (the runtime's STORE)
+    shard_store: ShardStore = field(default_factory=lambda: STORE)
 
     @property
     def rewrites(self) -> bool:
@@ -182,7 +181,7 @@ def _rewrite_attention(ctx: PassContext) -> None:
     if not ctx.rewrites:
         _report_not_rewritten(ctx, "attention", ctx.att_matches)
         return
-    ctx.shards = ShardInputs(ctx.gm, ctx.info, ctx.group)
+    ctx.shards = ShardInputs(ctx.gm, ctx.info, ctx.group, ctx.shard_store)
     for m in ctx.att_matches:
         out = rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
         if isinstance(out, AttentionRewrite):
@@ -289,7 +288,7 @@ def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
                 obj = getattr(obj, part)
             setattr(root, n.target.replace(".", "_"), obj)
             n.target = n.target.replace(".", "_")
-    return _GraphModule(root, graph)
+    return LazyGraphModule(root, graph)
 
 
 def run_pipeline(
@@ -299,11 +298,13 @@ def run_pipeline(
     opts: TSPOptions,
     level: str = "tsp",
     graph_id: int = 0,
+    store: ShardStore = STORE,
 ) -> PipelineResult:
-    """Every pass of ``PIPELINE`` that applies, in order, on a copy of Dynamo's graph."""
+    """Every pass of ``PIPELINE`` that applies, in order, on a copy of Dynamo's graph.
+    ``store``: where the rewrites declare the weights' slices (a test may pass its own)."""
     gm = fresh_copy(dynamo_gm)
     report = CompileReport(rank=group.rank, world=group.size, level=level, graph_id=graph_id)
-    ctx = PassContext(gm, list(example_inputs), group, opts, level, report)
+    ctx = PassContext(gm, list(example_inputs), group, opts, level, report, shard_store=store)
     res = PipelineResult(gm, report)
 
     def snap(name: str) -> None:
