@@ -7,6 +7,13 @@ it, this rank's tokens only). In the backward each block's forward is replayed j
 block's own backward: its weights are re-streamed (the attention's per-head-group broadcasts and
 the MLP ring's hops run again), its K/V re-gathered, and the intermediates rebuilt.
 
+An MLP ring inside a recomputed region saves no projection for the backward
+(``ring_mlp(..., save_projections=False)``, ``recompute_ring_projections``): its backward ring
+rebuilds each shard's up projections from the weights it receives anyway, so nothing of the
+forward ring is needed and the backward does not replay it. Replayed, the forward ring's received
+shards would stay alive beside the backward ring's (each until the backward step that rebuilds
+its projections, which comes in the reverse order), and its D - 1 hops would be sent again.
+
 ``"selective"`` recomputes only the attention sub-block of each layer (projections, RoPE, the K/V
 gathers, the weight broadcasts and the attention kernel: everything whose size grows with the
 number of head groups streamed, and whose recompute costs one set of attention GEMMs), while the
@@ -34,6 +41,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
+
+from tspc.runtime.ring_mlp import ring_mlp
 
 from .graph_utils import fqn_from_source
 
@@ -130,3 +139,23 @@ def extend_checkpoint_regions(gm: fx.GraphModule) -> int:
             n.meta["ac_graph_id"] = ids.pop()
             joined += 1
     return joined
+
+
+_RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def recompute_ring_projections(gm: fx.GraphModule) -> int:
+    """Each MLP ring call in a recomputed region (tagged here or by a user's checkpoint) saves
+    no projection: its backward rebuilds them from the shards its ring receives (module doc).
+    Returns the number of rings changed."""
+    changed = 0
+    for n in gm.graph.nodes:
+        if (
+            n.op == "call_function"
+            and n.target is ring_mlp
+            and n.meta.get("recompute") in _RECOMPUTED
+            and n.kwargs.get("save_projections", True)
+        ):
+            n.kwargs = {**n.kwargs, "save_projections": False}
+            changed += 1
+    return changed

@@ -27,7 +27,7 @@ from .match_mlp import MlpMatch, chain_key, chain_module
 from .shard_inputs import ShardInputs
 
 
-def _ring_mlp_value(x, w_in, b_in, w_down, chain, orient, *rest):
+def _ring_mlp_value(x, w_in, b_in, w_down, chain, orient, *rest, **options):
     """The ring's output metadata: ``x``'s leading dimensions and the down projection's
     output features, contiguous, in ``x``'s dtype (the ring adds matmul results)."""
     out = x.new_empty((*x.shape[:-1], w_down.shape[1 if orient[-1] == "t" else 0]))

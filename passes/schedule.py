@@ -28,8 +28,10 @@ only reorders nodes, in three phases over the whole graph:
    reduce-scatter of dK/dV, all-reduce of replicated gradients) move down, together with the
    cheap (non-GEMM) compute that consumes them, to just before their first GEMM or
    collective user — but no later than the start of the next transfer of their kind
-   (reduce: the next one; reduce-scatter and all-reduce: the one after next). That keeps one
-   weight-gradient shard (two dK/dV or all-reduce buffers) in flight instead of a layer's worth.
+   (reduce: the next one; reduce-scatter and all-reduce: the one after next), and a reduce no
+   later than the first gradient transfer (ring hop or reduce) of another layer. That keeps one
+   weight-gradient shard (two dK/dV or all-reduce buffers) in flight instead of a layer's worth,
+   and no layer's reduce buffers beside the next layer's ring accumulators.
 
 Within an attention head group the order becomes: weights of group r arrive, group r+1's
 weights are requested, K is projected (and rotated) and its gather issued, V is projected and
@@ -417,6 +419,21 @@ def schedule_overlap(gm: fx.GraphModule, lookahead: int = 1) -> ScheduleReport:
             if t.wait is None:
                 continue
             bound = members[i + window].start if i + window < len(members) else None
+            if kind == "reduce":
+                # A layer's weight-gradient reduce also completes before the next layer's
+                # gradients start to travel: else its send and receive buffers stay alive
+                # through that layer's MLP ring, beside the ring's accumulators.
+                later = [
+                    u.start
+                    for u in xfers
+                    if u.family in ("grad_ring", "reduce")
+                    and u.tag != t.tag
+                    and order[u.start] > order[t.start]
+                ]
+                if later:
+                    first = _first_producer(order, min(later, key=order.__getitem__), t.start)
+                    if bound is None or order[first] < order[bound]:
+                        bound = first
             if _sink(order, t.wait, _is_cheap, bound=bound):
                 report.waits_moved += 1
 
@@ -431,6 +448,22 @@ def _last_placeholder(g: fx.Graph) -> fx.Node:
         if n.op == "placeholder":
             last = n
     return last if last is not None else next(iter(g.nodes))
+
+
+def _first_producer(order: _Order, start: fx.Node, after: fx.Node) -> fx.Node:
+    """The earliest GEMM (or ``start`` itself) among what ``start`` sends that is computed after
+    ``after``, seen back through cheap ops: where the buffers ``start`` sends begin to exist."""
+    first, seen, stack = start, {start}, list(start.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or order[n] <= order[after]:
+            continue
+        seen.add(n)
+        if order[n] < order[first]:
+            first = n
+        if not is_heavy(n):
+            stack.extend(n.all_input_nodes)
+    return first
 
 
 def _is_cheap(n: fx.Node) -> bool:

@@ -95,7 +95,7 @@ def _down(h: torch.Tensor, w: torch.Tensor, t: bool) -> torch.Tensor:
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_down, spec, rank, world, group, tag, *ins):
-        chain_key, orient, has_bias = spec
+        chain_key, orient, has_bias, save_projections = spec
         k = len(has_bias)
         chain = chain_of(chain_key)
         shards = [*ins[:k], w_down, *ins[k:]]  # up weights, down weight, up biases
@@ -112,7 +112,8 @@ class RingMLP(torch.autograd.Function):
                 nxt = torch.ops.tspc.ring_start(cur, 1, group, world, tag)
             ws = unpack(cur, shapes) if world > 1 else shards
             ps = _projections(x2, ws, has_bias, orient)
-            saved += ps
+            if save_projections:
+                saved += ps
             part = _down(chain(*ps), ws[k], orient[k] == "t")
             y = part if y is None else y + part
             if nxt is not None:
@@ -124,7 +125,7 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         n_shards, shapes, spec, rank, world, group, tag = ctx.meta
-        chain_key, orient, has_bias = spec
+        chain_key, orient, has_bias, save_projections = spec
         k = len(has_bias)
         chain = chain_of(chain_key)
         x, *rest = ctx.saved_tensors
@@ -152,8 +153,12 @@ class RingMLP(torch.autograd.Function):
             # copy ``own`` dies once its first hop has gone (not at the end of the ring).
             ws = unpack(w_cur, shapes) if world > 1 and not last else list(shards)
             # The chain's derivative: autograd's, on this shard's saved projections.
+            if save_projections:
+                ps = saved[k * t : k * (t + 1)]
+            else:  # recomputed from the weights this step received (the forward's shard t)
+                ps = _projections(x2, ws, has_bias, orient)
             with torch.enable_grad():
-                ps = [p.detach().requires_grad_() for p in saved[k * t : k * (t + 1)]]
+                ps = [p.detach().requires_grad_() for p in ps]
                 h = chain(*ps)
             down_t = orient[k] == "t"
             dh = g2 @ ws[k].t() if down_t else g2 @ ws[k]  # [N, F/D]
@@ -190,11 +195,10 @@ class RingMLP(torch.autograd.Function):
             if world == 1:
                 grad_own = grads
                 break
-            local = pack(grads)
-            if last:
-                grad_own = [g.to(sh.dtype) for g, sh in zip(unpack(local, shapes), shards)]
+            if last:  # the pieces are the gradients: no packed copy
+                grad_own = [g.to(sh.dtype) for g, sh in zip(grads, shards)]
             else:
-                acc_out = local
+                acc_out = pack(grads)
                 acc_in = torch.ops.tspc.ring_start(acc_out, -1, group, world, tag)
             if w_next is not None:
                 w_cur = torch.ops.tspc.ring_wait(w_next, w_cur, -1, group, world, tag)
@@ -224,6 +228,8 @@ def ring_mlp(
     world: int,
     group: str,
     tag: str,
+    *,
+    save_projections: bool = True,
 ) -> torch.Tensor:
     """``down(chain(up_1(x), ..., up_k(x)))`` over the ring; the shards are this rank's own.
 
@@ -235,7 +241,7 @@ def ring_mlp(
     if len(b_in) != len(w_in) or len(orient) != len(w_in) + 1 or set(orient) - {"n", "t"}:
         raise ValueError(f"ring_mlp: {len(w_in)} up weights, {len(b_in)} biases, orient {orient!r}")
     has_bias = tuple(b is not None for b in b_in)
-    spec = (chain, orient, has_bias)
+    spec = (chain, orient, has_bias, bool(save_projections))
     ins = [*w_in, *(b for b in b_in if b is not None)]
     return RingMLP.apply(x, w_down, spec, rank, world, group, tag, *ins)
 

@@ -51,7 +51,23 @@ def sharded_cross_entropy(
         kwargs["label_smoothing"] = label_smoothing
     if reduction == "none":
         return fn(logits, target, reduction="none", **kwargs)
-    total = all_reduce(fn(logits, target, reduction="sum", **kwargs), "sum", group, world, tag)
+    local = fn(logits, target, reduction="sum", **kwargs)
+    return reduce_local_loss(local, target, weight, ignore_index, reduction, group, world, tag)
+
+
+def reduce_local_loss(
+    local: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    group: str,
+    world: int,
+    tag: str,
+) -> torch.Tensor:
+    """This rank's summed loss ``local`` -> the loss of all ranks' tokens: their sum, or their
+    mean over the (weighted) tokens that are not ``ignore_index``."""
+    total = all_reduce(local, "sum", group, world, tag)
     if reduction == "sum":
         return total
     valid = target != ignore_index

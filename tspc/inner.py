@@ -129,8 +129,9 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
     keeps at D = 8). With a copy for the backward users, the replay's transfer dies after the
     replayed group and the backward fetches the group again just before it needs it (one more
     broadcast and K/V gather per group in the backward: the paper's "weights re-streamed, K/V
-    re-gathered"). Every rank builds the same graph, so every rank issues the copies in the same
-    order. Returns the number of transfers copied.
+    re-gathered"). The pack a broadcast sends is copied with it. Every rank builds the same
+    graph, so every rank issues the copies in the same order. Returns the number of transfers
+    copied.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     copied = 0
@@ -152,6 +153,21 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
         backward = [u for u in readers if _in_backward(u)]
         if not backward or len(backward) == len(readers):
             continue
+        # The packed weights a broadcast sends (a cat of views of the shards): copied too, or
+        # the one pack would be kept from the replay's start to the backward's.
+        stack = [a for a in start.all_input_nodes]
+        while stack:
+            a = stack.pop()
+            if (
+                a not in seen
+                and a.op == "call_function"
+                and not _in_backward(a)
+                and is_view_or_pack(a)
+                and a.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
+            ):
+                seen.add(a)
+                chain.append(a)
+                stack.extend(a.all_input_nodes)
         chain.sort(key=order.__getitem__)
         env: dict[fx.Node, fx.Node] = {}
         with graph.inserting_before(min(backward, key=order.__getitem__)):

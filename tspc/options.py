@@ -51,6 +51,9 @@ class TSPOptions:
         transformer block recomputed from its input in the backward: weights re-streamed, K/V
         re-gathered; only each block's input shard is kept), "selective" (each layer's attention
         recomputed, the MLP's activations kept). Needs an aot inner compiler.
+    loss_chunk: tokens per chunk of the language-model head + cross-entropy
+        (``passes/chunk_loss.py``: no tokens x vocab tensor saved for the backward); None
+        (default) picks about 8M logits a chunk, 0 leaves the loss as traced.
     """
 
     group: Any = None
@@ -65,6 +68,7 @@ class TSPOptions:
     comm_timeout: float | None = None
     check_inputs: bool = False
     recompute: str = "none"
+    loss_chunk: int | None = None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -90,6 +94,9 @@ class TSPOptions:
                 "option recompute needs aot_autograd's partitioner: use inner='aot_eager' or "
                 "'inductor' (inner='eager' records the graph op by op and cannot recompute)"
             )
+        c = options.get("loss_chunk")
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
+            raise OptionError(f"option loss_chunk must be a number of tokens >= 0, got {c!r}")
         if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):
             options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
         t = options.get("comm_timeout")

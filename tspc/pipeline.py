@@ -32,12 +32,17 @@ from tspc.passes.analyse import (
     recompile_if_stale,
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
+from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
-from tspc.passes.recompute import extend_checkpoint_regions, tag_recompute
+from tspc.passes.recompute import (
+    extend_checkpoint_regions,
+    recompute_ring_projections,
+    tag_recompute,
+)
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
@@ -167,6 +172,10 @@ def _shard_sequence(ctx: PassContext) -> None:
     propagate_shapes(ctx.gm, ctx.example_inputs)
 
 
+def _chunk_loss(ctx: PassContext) -> None:
+    ctx.report.notes += chunk_loss(ctx.gm, ctx.opts.loss_chunk)
+
+
 def _rewrite_attention(ctx: PassContext) -> None:
     report = ctx.report
     if not ctx.rewrites:
@@ -224,6 +233,7 @@ def _recompute(ctx: PassContext) -> None:
     if opts.recompute == "none":
         if ctx.checkpointed:
             extend_checkpoint_regions(ctx.gm)
+            recompute_ring_projections(ctx.gm)  # rings inside a user's checkpoint regions
         return
     regions = tag_recompute(
         ctx.gm,
@@ -231,6 +241,7 @@ def _recompute(ctx: PassContext) -> None:
         [m.module for m in ctx.mlp_matches],
         opts.recompute,
     )
+    recompute_ring_projections(ctx.gm)
     what = "block" if opts.recompute == "full" else "attention"
     ctx.report.notes.append(
         f"recompute={opts.recompute}: {len(regions)} {what} region(s) recomputed in backward"
@@ -249,6 +260,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("classify_masks", _classify_masks),
     Pass("match", _match),
     Pass("shard_sequence", _shard_sequence),
+    Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
     Pass("rewrite_attention", _rewrite_attention),
     Pass("rewrite_mlp", _rewrite_mlp),
     Pass("recompute", _recompute),
