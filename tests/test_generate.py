@@ -10,7 +10,8 @@ One spawn per world size runs every case (compiles dominate, so cases share proc
   weights; each rank caches its own prompt tokens (1/D) and the decoded tokens keep it balanced;
 * seeded sampling (same seed: same tokens);
 * Qwen2 (q/k/v biases; at D = 4 its 2 KV heads are fewer than the ranks: K/V held whole) through
-  ``cm = torch.compile(model, backend="tsp"); tspc.enable_generate(cm); cm.generate(...)``;
+  ``cm = torch.compile(model, backend="tsp"); cm.generate(...)``, routed by
+  ``tspc.enable_generate(cm)`` (D = 2) or by a first compiled call (D = 4);
 * (D = 2) Phi-3's fused ``qkv_proj`` / ``gate_up_proj``: a clear ``GenerateUnsupportedError``, never a wrong token.
 """
 
@@ -132,13 +133,21 @@ def _cases(rank: int, world: int) -> dict:
     cache = got.past_key_values
     res["cache_counts"] = list(cache.layers[0].counts)
     res["cache_local"] = cache.local_tokens()
-    # --- seeded sampling
+    # --- seeded sampling; the same prompt shape again: nothing compiles (decode never does)
+    compiled_before = len(REPORTS)
     got = _generate(model, sample=True)
+    res["compiles_in_sampling"] = len(REPORTS) - compiled_before
     want = _generate(ref, sample=True)
     res["llama_sample"] = (torch.equal(got.sequences, want.sequences), _logit_err(got, want))
-    # --- Qwen2 (biases; K/V whole when fewer KV heads than ranks) through cm.generate
+    # --- Qwen2 (biases; K/V whole when fewer KV heads than ranks) through cm.generate: routed
+    # by tspc.enable_generate before any call (D = 2), or by the first compiled call (D = 4)
     ref = _build("qwen2", seed=1)
-    cm = tspc.enable_generate(torch.compile(_build("qwen2", seed=1), backend="tsp"))
+    cm = torch.compile(_build("qwen2", seed=1), backend="tsp")
+    if world == 2:
+        tspc.enable_generate(cm)
+    else:
+        with torch.no_grad():
+            cm(input_ids=_prompt()[0], use_cache=False)
     got, want = _generate(cm), _generate(ref)
     res["qwen2"] = (torch.equal(got.sequences, want.sequences), _logit_err(got, want))
     if world == 2:  # a fused projection: a clear error
@@ -164,6 +173,7 @@ def test_generate_equals_one_process(world):
             same, err = res[case]
             assert same, f"rank {rank} {case}: tokens differ from one process"
             assert err < 1e-5, f"rank {rank} {case}: logits differ by {err}"
+        assert res["compiles_in_sampling"] == 0
         assert res["llama_matched"] and all(s == "matched" for _, s in res["llama_matched"])
         assert res["bytes_measured"] == res["bytes_formula"] > 0
         assert res["bytes_measured"] / (NEW - 1) < res["matched_weight_bytes"] / 10

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tspc.runtime.decode import DecodeComm, merge_partials, owner_of_next, partial_attention
-from tspc.runtime.tsp_params import tsp_param_of
+from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_param_of
 from tspc.runtime.zigzag import padded_length, zigzag_indices
 
 ATTN_NAME = "tspc_decode"
@@ -325,6 +325,26 @@ def _tensor_parallel(model: nn.Module, comm: DecodeComm) -> Iterator[None]:
             mod._parameters[name] = p
 
 
+@contextmanager
+def _stand_ins(model: nn.Module) -> Iterator[None]:
+    """The compiled graphs were traced with the plain stand-ins of the DTensor parameters: a
+    hook on the module the user called puts them in place, but a routed ``cm.generate`` calls
+    the inner model, whose modules may still hold the DTensors. Put them in place here too."""
+    swapped = []
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and is_tsp_dtensor(p):
+                tp = tsp_param_of(p)
+                _refresh_handle(tp)
+                swapped.append((mod, name, p))
+                mod._parameters[name] = tp.handle
+    try:
+        yield
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
 def _tsp_group_of(model: nn.Module) -> tuple[str, int] | None:
     for p in model.parameters():
         tp = tsp_param_of(p)
@@ -387,7 +407,8 @@ class GenerateForward:
             )
             return self._decode(args, kwargs)
         if not use_cache or ids is None or kwargs.get("inputs_embeds") is not None:
-            return self.compiled(*args, **kwargs)
+            with _stand_ins(self.model):
+                return self.compiled(*args, **kwargs)
         return self._prefill(args, kwargs, cache_key)
 
     def _prefill(self, args, kwargs, cache_key):
@@ -395,7 +416,8 @@ class GenerateForward:
         keep = kwargs.get("logits_to_keep")
         kwargs = {**kwargs, cache_key: None, "use_cache": True}
         sharded = isinstance(keep, int) and keep >= 1  # else the logits of every token: gathered
-        out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
+        with _stand_ins(self.model):
+            out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
         grp = _tsp_group_of(self.model)
         group, world = grp if grp is not None else ("", 1)
         rank = dist.get_rank(_pg(group)) if world > 1 else 0
