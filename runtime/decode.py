@@ -8,11 +8,11 @@ applies the shards where they lie (tensor parallelism) and reads the sequence-sh
 distributed flash-decoding merge:
 
 1. q, k, v of the new token for this rank's head group (no communication);
-2. the new token's k, v of every KV head are all-gathered (``kv``), and kept only by the rank
-   that owns the new position (``owner_of_next``: the rank with the fewest cached tokens, so the
-   cache stays balanced);
-3. q of every head is all-gathered (``q``): each rank attends with every head over *its* cached
-   tokens, giving a partial output and its log-sum-exp per head (``partial_attention``);
+2. one all-gather of [q; k; v] (the head groups a rank holds): every rank gets q of every head,
+   and the new token's k, v of every KV head, kept only by the rank that owns the new position
+   (``owner_of_next``: the rank with the fewest cached tokens, so the cache stays balanced);
+3. each rank attends with every head over *its* cached tokens, giving a partial output and its
+   log-sum-exp per head (``partial_attention``);
 4. an all-to-all sends each head group's partials to the rank that owns the group (``merge``);
    the log-sum-exp merge (``merge_partials``) gives exactly softmax attention over all tokens;
 5. the output projection (W_O's columns) and the MLP's down projection (F-slice) give partial
@@ -83,16 +83,16 @@ class DecodeComm:
         self.world = world
         self.rank = rank
 
-    def all_gather(self, x: torch.Tensor, dim: int, tag: str) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along ``dim`` in rank order."""
+    def all_gather(self, x: torch.Tensor, tag: str) -> list[torch.Tensor]:
+        """Every rank's ``x``, in rank order."""
         if self.world == 1:
-            return x
+            return [x]
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.pg)
         nbytes = x.numel() * x.element_size()
         COUNTER.record("all_gather", tag, (self.world - 1) * nbytes, (self.world - 1) * nbytes)
-        return torch.cat(parts, dim)
+        return parts
 
     def all_to_all(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """``x`` of shape [D, ...]: part r goes to rank r; returns [D, ...], part s from rank s."""

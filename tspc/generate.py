@@ -87,27 +87,30 @@ def _make_cache_types():
             return self.get_seq_length() + query_length, 0
 
         def update(self, key_states, value_states, *args, **kwargs):
-            step = _current_step()
+            """Called by the attention module with the new token's k, v (its head group): they
+            are kept pending; ``decode_attention`` gathers them with q in one collective and
+            ``append``s them at their owner. Returns this rank's cached tokens."""
             if key_states.shape[-2] != 1:
                 raise GenerateUnsupportedError(
                     f"tspc: {key_states.shape[-2]} new tokens per step on a sequence-sharded cache; "
                     "decoding runs one token per sequence (assisted / speculative decoding and "
                     "chunked prefill are not supported)"
                 )
-            tag = step.tag_of_layer.get(step.layer_of(self), "decode")
-            if step.kv_sharded(key_states):
-                key_states = step.comm.all_gather(key_states, 1, tag)
-                value_states = step.comm.all_gather(value_states, 1, tag)
+            _current_step()  # a clear error outside a decode step
+            self.pending = (key_states, value_states)
+            return self.keys, self.values
+
+        def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """The new token's K/V of every KV head: cached by its owner rank only."""
             pos = self.get_seq_length()
             owner = owner_of_next(self.counts)
             self.counts[owner] += 1
             if owner == self.rank:
-                self.keys = torch.cat([self.keys, key_states], dim=-2)
-                self.values = torch.cat([self.values, value_states], dim=-2)
+                self.keys = torch.cat([self.keys, keys], dim=-2)
+                self.values = torch.cat([self.values, values], dim=-2)
                 self.positions = torch.cat(
                     [self.positions, torch.tensor([pos], device=self.positions.device)]
                 )
-            return self.keys, self.values
 
         def crop(self, tokens_to_remove: int) -> None:
             raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")
@@ -200,12 +203,8 @@ _LOCAL = threading.local()
 class _Step:
     comm: DecodeComm
     cache: Any
-    layer_index: dict[int, int] = field(default_factory=dict)  # id(cache layer) -> index
     tag_of_layer: dict[int, str] = field(default_factory=dict)  # layer index -> counter tag
     kv_heads: int = 0
-
-    def layer_of(self, cache_layer) -> int:
-        return self.layer_index[id(cache_layer)]
 
     def kv_sharded(self, k: torch.Tensor) -> bool:
         n = k.shape[1]
@@ -253,7 +252,23 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"tspc: {h_local} query heads on this rank of {comm.world} ({heads} in all): the "
             "query projection is not sharded by whole head groups"
         )
-    q_all = comm.all_gather(query, 1, tag) if q_sharded else query
+    k_new, v_new = layer.pending
+    layer.pending = None
+    kv_sharded = step.kv_sharded(k_new)
+    # one all-gather of what is sharded: [q; k; v] of this rank's head groups
+    mine = ([query] if q_sharded else []) + ([k_new, v_new] if kv_sharded else [])
+    if mine:
+        parts = comm.all_gather(torch.cat(mine, dim=1), tag)
+        sizes = [t.shape[1] for t in mine]
+        split = [p.split(sizes, dim=1) for p in parts]
+        gathered = [torch.cat([s[i] for s in split], dim=1) for i in range(len(mine))]
+        if q_sharded:
+            query_all, gathered = gathered[0], gathered[1:]
+        if kv_sharded:
+            k_new, v_new = gathered
+    q_all = query_all if q_sharded else query
+    layer.append(k_new, v_new)
+    key, value = layer.keys, layer.values
     keep = None
     if attention_mask is not None:
         cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L_p]
@@ -265,7 +280,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         parts = packed.reshape(B, comm.world, h_local, T, d + 1).transpose(0, 1)
         recv = comm.all_to_all(parts, tag)  # [D, B, H_l, T, d+1]: my group, from every rank
     else:
-        recv = comm.all_gather(packed.unsqueeze(0), 0, tag)
+        recv = torch.stack(comm.all_gather(packed, tag))
     merged = merge_partials(recv[..., :d], recv[..., d])  # [B, H_l, T, d]
     return merged.to(query.dtype).transpose(1, 2).contiguous(), None
 
@@ -278,37 +293,56 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
+@dataclass
+class _TPPlan:
+    """Where the model's TSP parameters lie (found once per model: walking every module on
+    every decoded token would cost more than the token)."""
+
+    params: list[tuple[nn.Module, str, str]]  # (module, parameter name, module name)
+    row_parallel: list[tuple[nn.Module, str]]  # Linear modules holding W's columns
+
+
+def _tp_plan(model: nn.Module) -> _TPPlan:
+    params, row_parallel = [], []
+    for fqn, mod in model.named_modules():
+        for name, p in mod._parameters.items():
+            tp = tsp_param_of(p) if p is not None else None
+            if tp is None:
+                continue
+            placement = tp.placement
+            if placement[0] == "strided" or (
+                placement[0] == "shard" and not isinstance(mod, nn.Linear)
+            ):
+                raise GenerateUnsupportedError(
+                    f"tspc: decoding needs separate nn.Linear projections sharded by whole "
+                    f"head groups / F-slices; {fqn}.{name} ({type(mod).__name__}) is held as "
+                    f"{placement[0]}: fused projections and Conv1D are not supported yet"
+                )
+            params.append((mod, name, fqn))
+            if placement[0] == "shard" and placement[1] == 1 and name == "weight":
+                row_parallel.append((mod, fqn))
+    return _TPPlan(params, row_parallel)
+
+
 @contextmanager
-def _tensor_parallel(model: nn.Module, comm: DecodeComm) -> Iterator[None]:
+def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
     """Every module holds plain tensors of what this rank has: a sharded weight's local slices
     (``Shard(0)``: its rows, the module computes its head group / F-slice; ``Shard(1)``: its
     columns, the module's output is a partial sum, all-reduced by a hook; the bias added once),
     a replicated parameter's full value. Restored on exit."""
     saved: list[tuple[nn.Module, str, Any]] = []
     hooks = []
-    row_parallel: dict[nn.Module, str] = {}
     try:
-        for fqn, mod in model.named_modules():
-            for name, p in list(mod._parameters.items()):
-                tp = tsp_param_of(p) if p is not None else None
-                if tp is None:
-                    continue
-                placement = tp.placement
-                if placement[0] == "strided" or (
-                    placement[0] == "shard" and not isinstance(mod, nn.Linear)
-                ):
-                    raise GenerateUnsupportedError(
-                        f"tspc: decoding needs separate nn.Linear projections sharded by whole "
-                        f"head groups / F-slices; {fqn}.{name} ({type(mod).__name__}) is held as "
-                        f"{placement[0]}: fused projections and Conv1D are not supported yet"
-                    )
-                with torch.no_grad():
-                    local = tp.dparam.to_local()
-                saved.append((mod, name, p))
-                mod._parameters[name] = local
-                if placement[0] == "shard" and placement[1] == 1 and name == "weight":
-                    row_parallel[mod] = fqn
-        for mod, fqn in row_parallel.items():
+        for mod, name, fqn in plan.params:
+            p = mod._parameters[name]
+            tp = tsp_param_of(p)
+            if tp is None:
+                raise RuntimeError(f"tspc: {fqn}.{name} is no longer a TSP parameter")
+            with torch.no_grad():
+                local = tp.dparam.to_local()
+            saved.append((mod, name, p))
+            mod._parameters[name] = local
+        for mod, fqn in plan.row_parallel:
             if mod._parameters.get("bias") is not None and comm.rank != 0:
                 saved.append((mod, "bias", mod._parameters["bias"]))
                 mod._parameters["bias"] = None  # the sum of the partials adds it once
@@ -372,6 +406,7 @@ class GenerateForward:
         self.compiled = compiled or torch.compile(
             self.eager, backend="tsp", options={**self.options, "outputs": "gathered"}
         )
+        self._setup = None  # (DecodeComm, _TPPlan, counter tags), at the first decode step
         self.prefill = torch.compile(
             self.eager, backend="tsp", options={**self.options, "outputs": "sharded"}
         )
@@ -428,15 +463,20 @@ class GenerateForward:
     def _decode(self, args, kwargs):
         model = self.model
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        grp = _tsp_group_of(model)
-        group, world = grp if grp is not None else (cache.group, cache.world)
-        comm = DecodeComm(group, world, cache.rank)
-        names = _attention_names(model)
+        if self._setup is None:
+            grp = _tsp_group_of(model)
+            group, world = grp if grp is not None else (cache.group, cache.world)
+            names = _attention_names(model)
+            self._setup = (
+                DecodeComm(group, world, cache.rank),
+                _tp_plan(model),
+                {i: f"decode:{n}" for i, n in names.items()},
+            )
+        comm, plan, tags = self._setup
         step = _Step(
             comm,
             cache,
-            layer_index={id(layer): i for i, layer in enumerate(cache.layers)},
-            tag_of_layer={i: f"decode:{n}" for i, n in names.items()},
+            tag_of_layer=tags,
             kv_heads=getattr(model.config, "num_key_value_heads", None)
             or model.config.num_attention_heads,
         )
@@ -445,7 +485,7 @@ class GenerateForward:
         _LOCAL.step = step
         try:
             config._attn_implementation = ATTN_NAME
-            with torch.no_grad(), _tensor_parallel(model, comm):
+            with torch.no_grad(), _tensor_parallel(plan, comm):
                 out = self.eager(*args, **kwargs)
         finally:
             config._attn_implementation = before
