@@ -79,7 +79,7 @@ class DecodeComm:
 
     def __init__(self, group: str, world: int, rank: int) -> None:
         self.group_name = group
-        self.pg = process_group(group)
+        self.pg = process_group(group) if world > 1 else None
         self.world = world
         self.rank = rank
 

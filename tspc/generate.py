@@ -433,9 +433,7 @@ class GenerateForward:
         if cache is not None and cache.get_seq_length() > 0:
             # the user's compiled forward ran the first prompt with gathered outputs
             grp = _tsp_group_of(self.model)
-            if grp is None:
-                raise GenerateUnsupportedError("tspc: no TSP parameters found on the model")
-            group, world = grp
+            group, world = grp if grp is not None else ("", 1)  # D = 1: nothing sharded
             rank = dist.get_rank(_pg(group)) if world > 1 else 0
             kwargs[cache_key] = cache_from_prefill(
                 cache, cache.get_seq_length(), False, group, world, rank
