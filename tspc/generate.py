@@ -204,17 +204,19 @@ class _Step:
     comm: DecodeComm
     cache: Any
     tag_of_layer: dict[int, str] = field(default_factory=dict)  # layer index -> counter tag
-    kv_heads: int = 0
 
-    def kv_sharded(self, k: torch.Tensor) -> bool:
+    def kv_sharded(self, k: torch.Tensor, kv_heads: int) -> bool:
+        """Whether the new token's ``k`` holds this rank's group of the ``kv_heads`` heads the
+        cache holds (the prompt's K/V came out of the graph with every head: the cache, not a
+        config attribute, says how many there are)."""
         n = k.shape[1]
-        if n == self.kv_heads:
+        if n == kv_heads:
             return False
-        if n * self.comm.world == self.kv_heads:
+        if n * self.comm.world == kv_heads:
             return True
         raise GenerateUnsupportedError(
             f"tspc: a decode step produced {n} KV heads on this rank of {self.comm.world}, "
-            f"neither all {self.kv_heads} nor an even share: the K/V projection is not sharded "
+            f"neither all {kv_heads} nor an even share: the K/V projection is not sharded "
             "by whole head groups"
         )
 
@@ -254,7 +256,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         )
     k_new, v_new = layer.pending
     layer.pending = None
-    kv_sharded = step.kv_sharded(k_new)
+    kv_sharded = step.kv_sharded(k_new, layer.keys.shape[1])
     # one all-gather of what is sharded: [q; k; v] of this rank's head groups
     mine = ([query] if q_sharded else []) + ([k_new, v_new] if kv_sharded else [])
     if mine:
@@ -475,8 +477,6 @@ class GenerateForward:
             comm,
             cache,
             tag_of_layer=tags,
-            kv_heads=getattr(model.config, "num_key_value_heads", None)
-            or model.config.num_attention_heads,
         )
         config = model.config
         before = config._attn_implementation
