@@ -182,3 +182,55 @@ def test_generate_equals_one_process(world):
         assert res["cache_local"] == counts[rank]
         if world == 2:
             assert "fused projections" in res["phi3"], res["phi3"]
+
+
+# Families beyond Llama/Qwen2 (extended tier: about two minutes): each through the idiom,
+# greedy, batch 2 with left padding, tokens and logits against one process; OLMo-2's q/k norms
+# over every head's features cannot run on a head group: a clear error.
+FAMILIES = {
+    "mistral": {},
+    "qwen3": {"head_dim": 16},  # q/k RMSNorm per head
+    "gemma": {"head_dim": 16},  # scaled, tied embeddings
+    "gpt_neox": {"rotary_pct": 0.5},  # fused interleaved qkv (whole heads per rank), GELU MLP
+    "phi": {"bos_token_id": 1, "eos_token_id": 2},  # biases, partial rotary, parallel blocks
+    "olmo2": {},
+}
+
+
+def _build_family(family: str, extra: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(family, **{**SMALL, **extra})
+    ).eval()
+
+
+def _families(rank: int, world: int) -> dict:
+    import tspc
+
+    out = {}
+    for family, extra in FAMILIES.items():
+        torch._dynamo.reset()  # each family's own graphs (see the Phi-3 case above)
+
+        ref, model = _build_family(family, extra), _build_family(family, extra)
+        model.forward = torch.compile(model.forward, backend="tsp")
+        want = _generate(ref)
+        try:
+            _generate(model)
+            got = _generate(model)
+            out[family] = (torch.equal(got.sequences, want.sequences), _logit_err(got, want))
+        except tspc.GenerateUnsupportedError as e:
+            out[family] = str(e)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_generate_families():
+    for rank, res in enumerate(spawn(_families, 2, timeout=900)):
+        for family, r in res.items():
+            if family == "olmo2":
+                assert isinstance(r, str) and "across all heads" in r, r
+                continue
+            assert r[0] and r[1] < 1e-5, f"rank {rank} {family}: {r}"

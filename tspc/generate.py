@@ -484,7 +484,18 @@ class GenerateForward:
         try:
             config._attn_implementation = ATTN_NAME
             with torch.no_grad(), _tensor_parallel(plan, comm):
-                out = self.eager(*args, **kwargs)
+                try:
+                    out = self.eager(*args, **kwargs)
+                except RuntimeError as e:
+                    if isinstance(e, GenerateUnsupportedError):
+                        raise
+                    raise GenerateUnsupportedError(
+                        f"tspc: {type(model).__name__}'s decode step failed with each projection "
+                        "applied on this rank's shards (head group / F-slice). Its code needs "
+                        "something across all heads that tensor-parallel decoding does not "
+                        "provide (a norm over every head's features, as OLMo-2's q/k norms, or "
+                        f"a fixed head count in a reshape): {e}"
+                    ) from e
         finally:
             config._attn_implementation = before
             _LOCAL.step = None
