@@ -432,6 +432,10 @@ class GenerateForward:
         cache_type = tsp_cache_type()
         if isinstance(cache, cache_type):
             return self._decode(args, kwargs)
+        if not getattr(_LOCAL, "generating", 0):
+            # a plain call (not from generate): exactly what the compiled forward returns
+            with _stand_ins(self.model):
+                return self.compiled(*args, **kwargs)
         if cache is not None and cache.get_seq_length() > 0:
             # the user's compiled forward ran the first prompt with gathered outputs
             grp = _tsp_group_of(self.model)
@@ -526,11 +530,33 @@ def _is_generative(model: Any) -> bool:
     return isinstance(model, nn.Module) and callable(getattr(type(model), "generate", None))
 
 
+@contextmanager
+def _generating() -> Iterator[None]:
+    """Calls of a routed forward inside ``generate`` take the prompt / decode paths; any other
+    call gets what the compiled forward returns, unchanged (its gathered K/V included)."""
+    depth = getattr(_LOCAL, "generating", 0)
+    _LOCAL.generating = depth + 1
+    try:
+        yield
+    finally:
+        _LOCAL.generating = depth
+
+
 def route(model: nn.Module, compiled: Any | None, options: dict | None) -> None:
-    """Route ``model.forward`` through ``GenerateForward`` (idempotent)."""
+    """Route ``model.forward`` through ``GenerateForward``, and mark ``model.generate``'s calls
+    (idempotent)."""
     if isinstance(model.__dict__.get("forward"), GenerateForward):
         return
     model.forward = GenerateForward(model, compiled, options)
+    cls_generate = type(model).generate
+    ref = weakref.ref(model)
+
+    @functools.wraps(cls_generate)
+    def generate(*args, **kwargs):
+        with _generating():
+            return cls_generate(ref(), *args, **kwargs)
+
+    model.__dict__["generate"] = generate
 
 
 def enable_generate(model: Any, options: dict | None = None) -> Any:
@@ -565,7 +591,8 @@ def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
         had = inner.__dict__.get("forward")
         inner.forward = fwd
         try:
-            return type(inner).generate(inner, *args, **kwargs)
+            with _generating():
+                return type(inner).generate(inner, *args, **kwargs)
         finally:
             if had is None:
                 del inner.forward
