@@ -432,12 +432,8 @@ class GenerateForward:
         cache_type = tsp_cache_type()
         if isinstance(cache, cache_type):
             return self._decode(args, kwargs)
-        if not getattr(_LOCAL, "generating", 0):
-            # a plain call (not from generate): exactly what the compiled forward returns
-            with _stand_ins(self.model):
-                return self.compiled(*args, **kwargs)
         if cache is not None and cache.get_seq_length() > 0:
-            # the user's compiled forward ran the first prompt with gathered outputs
+            # a cache the compiled forward filled (gathered K/V: the first prompt of the idiom)
             grp = _tsp_group_of(self.model)
             group, world = grp if grp is not None else ("", 1)  # D = 1: nothing sharded
             rank = dist.get_rank(_pg(group)) if world > 1 else 0
@@ -445,7 +441,8 @@ class GenerateForward:
                 cache, cache.get_seq_length(), False, group, world, rank
             )
             return self._decode(args, kwargs)
-        if not use_cache or ids is None or kwargs.get("inputs_embeds") is not None:
+        if not getattr(_LOCAL, "generating", 0) or not use_cache or ids is None:
+            # a plain call (not from generate: exactly what the compiled forward returns)
             with _stand_ins(self.model):
                 return self.compiled(*args, **kwargs)
         return self._prefill(args, kwargs, cache_key)
