@@ -19,12 +19,16 @@ How a user gets there (see the README's "Generation"):
 * ``cm = torch.compile(model, backend="tsp")``: after the first compiled call ``cm.generate``
   is routed the same way; ``tspc.enable_generate(cm)`` routes it before any call.
 
-Decoding needs separate ``nn.Linear`` projections whose weights are sharded by whole head
-groups / F-slices (``Shard(0)`` rows, ``Shard(1)`` columns; weights kept whole are used whole)
-and a model that reads its attention through transformers' attention interface and its cache
-through ``Cache.update`` (Llama, Mistral, Qwen2/3, Gemma and the families written like them). A
-fused projection (``qkv_proj``, ``gate_up_proj``: ``_StridedShard``) or a Conv1D raises
-``GenerateUnsupportedError`` naming the module — never a wrong token.
+Only calls made by ``generate`` take the prompt path; a plain call of the routed forward returns
+what the compiled forward returns; a call with a filled cache decodes on the shards.
+
+Decoding needs ``nn.Linear`` projections whose weights are sharded by whole head groups /
+F-slices (``Shard(0)`` rows, ``Shard(1)`` columns; weights kept whole are used whole) and a model
+that reads its attention through transformers' attention interface and its cache through
+``Cache.update`` (Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-NeoX's fused qkv of whole heads). A
+fused projection held as ``_StridedShard`` (Phi-3's ``qkv_proj`` / ``gate_up_proj``) or a Conv1D
+raises ``GenerateUnsupportedError`` naming the module, and so does a decode step whose code
+fails on a head group (OLMo-2's norms over every head's features) — never a wrong token.
 """
 
 from __future__ import annotations
@@ -418,9 +422,6 @@ class GenerateForward:
     @property
     def model(self) -> nn.Module:
         return self._model()
-
-    def __get__(self, obj, objtype=None):  # stays what it is when read from the instance
-        return self
 
     def __call__(self, *args, **kwargs):
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
