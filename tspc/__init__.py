@@ -6,6 +6,7 @@ machinery: after the first call the model's parameters are DTensors (see the REA
 """
 
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict
+from tspc.generate import GenerateUnsupportedError, enable_generate
 from tspc.report import CompileReport, last_report
 from tspc.runtime.comm import CollectiveTimeout
 from tspc.runtime.errors import SequenceLengthError, TSPConfigError
@@ -17,6 +18,8 @@ from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 __all__ = [
     "CollectiveTimeout",
     "CompileReport",
+    "GenerateUnsupportedError",
+    "enable_generate",
     "InputMismatchError",
     "OptimizerParameterError",
     "SequenceLengthError",

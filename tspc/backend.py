@@ -402,7 +402,11 @@ def tsp_backend(
 ) -> Callable:
     """Compile one Dynamo graph with Tensor-and-Sequence Parallel schedules."""
     with tspc_internal():
-        return _tsp_backend(gm, example_inputs, options)
+        compiled = _tsp_backend(gm, example_inputs, options)
+    from .generate import route_from_backend  # generate() of the model being compiled
+
+    route_from_backend(options)
+    return compiled
 
 
 def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:

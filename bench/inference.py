@@ -1,0 +1,222 @@
+"""Inference: a long prompt and a few decoded tokens, tspc against one process and DTensor TP.
+
+    python bench/inference.py --prompt 16384 --new 16 --devices 1 2 4
+
+A transformers Llama (random weights, GQA) generates greedily from one prompt of ``--prompt``
+tokens, batch 1, on CPU gloo processes:
+
+* ``one``: one process, eager ``model.generate`` (no tspc);
+* ``tsp``: ``model.forward = torch.compile(model.forward, backend="tsp")`` then
+  ``model.generate``: the prompt on the TSP schedules (1/D of the tokens and of the weights per
+  rank, each rank keeping its own tokens' K/V), decode tensor-parallel on the shards with the
+  sequence-sharded cache (``tspc/generate.py``);
+* ``tp``: Megatron tensor parallelism with torch's ``parallelize_module`` (colwise q/k/v/gate/up,
+  rowwise o/down; every rank runs the whole prompt, KV cache sharded by heads), eager generate.
+
+Per rank: weights held (bytes of the local tensors), KV cache held after generate, the peak of
+CPU memory allocated during generate above what was resident before it (``tspc.memory.
+MemoryTracker``: activations, cache and communication buffers), prefill time (the model's first
+call in a generate) and decode tokens/s (its other calls, one token each). Speed runs without the
+tracker (the profiler under it costs time); a short warm-up generate compiles first.
+Tokens of every mode are compared with one process. Numbers are of one run on a shared 2-core
+machine: D ranks share 2 cores, so tokens/s fall with D here for every mode; the ratios between
+modes at the same D are what the run shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tspc.launch import spawn  # noqa: E402
+
+
+def build(args: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=args["vocab"],
+        hidden_size=args["hidden"],
+        intermediate_size=args["intermediate"],
+        num_hidden_layers=args["layers"],
+        num_attention_heads=args["heads"],
+        num_key_value_heads=args["kv_heads"],
+        max_position_embeddings=args["prompt"] + args["new"] + 8,
+        pad_token_id=0,
+        use_cache=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _tp(model, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[p + n] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        for n in ("mlp.gate_proj", "mlp.up_proj"):
+            plan[p + n] = ColwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def _local_bytes(model) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _cache_bytes(cache) -> int:
+    return sum(
+        layer.keys.numel() * layer.keys.element_size()
+        + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
+
+
+def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
+    from tspc.memory import MemoryTracker
+
+    torch.set_num_threads(1)
+    model = build(args)
+    if mode == "tp":
+        model = _tp(model, world)
+    elif mode == "tsp":
+        model.forward = torch.compile(model.forward, backend="tsp")
+    ids = torch.randint(
+        1, args["vocab"], (1, args["prompt"]), generator=torch.Generator().manual_seed(1)
+    )
+
+    def gen(x, n):
+        with torch.no_grad():
+            return model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                do_sample=False,
+                return_dict_in_generate=True,
+                min_new_tokens=n,
+            )
+
+    # every model call timed: the first of a generate is the prompt, the others decode steps
+    calls: list[float] = []
+    root = model
+
+    def pre(mod, args):
+        calls.append(-time.perf_counter())
+
+    def post(mod, args, out):
+        calls[-1] += time.perf_counter()
+
+    root.register_forward_pre_hook(pre)
+    root.register_forward_hook(post)
+    gen(ids[:, :32], 2)  # warm-up: compiles (tsp), first release of the full weights
+    if mode == "tsp":
+        gen(ids, 2)  # the long prompt's compile; later generates reuse it
+    calls.clear()
+    out = gen(ids, args["new"])
+    t_prefill, t_decode = calls[0], sum(calls[1:])
+    with MemoryTracker() as mt:
+        out = gen(ids, args["new"])
+    return {
+        "weights": _local_bytes(model),
+        "cache": _cache_bytes(out.cache),
+        "peak": mt.peak_bytes,
+        "prefill_s": t_prefill,
+        "decode_tok_s": (len(calls) - 1) / t_decode,
+        "tokens": out.sequences[0, args["prompt"] :].tolist(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", type=int, default=16384)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--modes", nargs="+", default=["tsp", "tp"])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    args = {
+        "prompt": a.prompt,
+        "new": a.new,
+        "hidden": a.hidden,
+        "intermediate": a.intermediate,
+        "heads": a.heads,
+        "kv_heads": a.kv_heads,
+        "layers": a.layers,
+        "vocab": a.vocab,
+    }
+    rows = []
+    one = spawn(run_rank, 1, "one", args, timeout=3600)[0]
+    rows.append(("one", 1, one))
+    for d in a.devices:
+        for mode in a.modes:
+            if mode == "tp" and d == 1:
+                continue
+            per_rank = spawn(run_rank, d, mode, args, timeout=3600)
+            worst = max(per_rank, key=lambda r: r["peak"])
+            worst = {**worst, "tokens_equal": all(r["tokens"] == one["tokens"] for r in per_rank)}
+            worst["prefill_s"] = max(r["prefill_s"] for r in per_rank)
+            worst["decode_tok_s"] = min(r["decode_tok_s"] for r in per_rank)
+            rows.append((mode, d, worst))
+            print(f"done {mode} D={d}", flush=True)
+    mb = 1 / 2**20
+    head = (
+        f"prompt {a.prompt}, {a.new} new tokens, batch 1; Llama h={a.hidden}, "
+        f"{a.heads} heads / {a.kv_heads} KV, F={a.intermediate}, {a.layers} layers; fp32, CPU\n\n"
+        "| mode | D | weights/rank MB | KV cache/rank MB | peak during generate MB | "
+        "peak vs one | prefill s | decode tok/s | tokens = one |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for mode, d, r in rows:
+        lines.append(
+            f"| {mode} | {d} | {r['weights'] * mb:.1f} | {r['cache'] * mb:.2f} | "
+            f"{r['peak'] * mb:.1f} | {r['peak'] / one['peak']:.2f} | {r['prefill_s']:.2f} | "
+            f"{r['decode_tok_s']:.1f} | {r.get('tokens_equal', True)} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(
+                [
+                    {"mode": m, "D": d, **{k: v for k, v in r.items() if k != "tokens"}}
+                    for m, d, r in rows
+                ],
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

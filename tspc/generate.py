@@ -1,0 +1,619 @@
+"""``generate()`` on a TSP-compiled model: the prompt on the TSP schedules, decoding on the shards.
+
+* **Prefill** (the prompt) runs the compiled TSP graph with its K/V outputs left sharded: each
+  rank keeps its own zigzag tokens' K/V of every head (1/D of one process's cache) in a
+  ``TSPCache``; only the last position's logits are gathered (transformers' ``generate`` asks for
+  ``logits_to_keep=1``).
+* **Decode** (one new token per sequence) runs the model's own code eagerly with every matched
+  weight applied where it lies, as tensor parallelism would (``runtime/decode.py``): q/k/v
+  projections give this rank's head group, the output and MLP down projections give partial
+  sums that are all-reduced, and attention reads the sequence-sharded cache with a distributed
+  flash-decoding merge. No weight moves and nothing recompiles per token.
+
+How a user gets there (see the README's "Generation"):
+
+* ``model.forward = torch.compile(model.forward, backend="tsp")`` (transformers' idiom): the
+  first compiled call routes ``model.forward`` through ``GenerateForward``, so
+  ``model.generate(...)`` works; the very first prompt was compiled with the user's options, so
+  its K/V come back gathered and are cut to this rank's tokens (later prompts stay sharded).
+* ``cm = torch.compile(model, backend="tsp")``: after the first compiled call ``cm.generate``
+  is routed the same way; ``tspc.enable_generate(cm)`` routes it before any call.
+
+Only calls made by ``generate`` take the prompt path; a plain call of the routed forward returns
+what the compiled forward returns; a call with a filled cache decodes on the shards.
+
+Decoding needs ``nn.Linear`` projections whose weights are sharded by whole head groups /
+F-slices (``Shard(0)`` rows, ``Shard(1)`` columns; weights kept whole are used whole) and a model
+that reads its attention through transformers' attention interface and its cache through
+``Cache.update`` (Llama, Mistral, Qwen2/3, Gemma, Phi, GPT-NeoX's fused qkv of whole heads). A
+fused projection held as ``_StridedShard`` (Phi-3's ``qkv_proj`` / ``gate_up_proj``) or a Conv1D
+raises ``GenerateUnsupportedError`` naming the module, and so does a decode step whose code
+fails on a head group (OLMo-2's norms over every head's features) — never a wrong token.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tspc.runtime.decode import DecodeComm, merge_partials, owner_of_next, partial_attention
+from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_param_of
+from tspc.runtime.zigzag import padded_length, zigzag_indices
+
+ATTN_NAME = "tspc_decode"
+
+
+class GenerateUnsupportedError(NotImplementedError):
+    """The model (or the generate() options) cannot decode on the TSP shards; says why."""
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def _cache_classes():
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    return Cache, DynamicLayer
+
+
+def _make_cache_types():
+    Cache, DynamicLayer = _cache_classes()
+
+    class TSPCacheLayer(DynamicLayer):
+        """This rank's cached tokens of one layer: ``keys``/``values`` [B, H_kv, L_p, d] of every KV
+        head, ``positions`` [L_p] their true positions; ``counts`` every rank's token count.
+        The sequence length it reports is the whole sequence's (masks and positions are global)."""
+
+        is_croppable = False
+
+        def __init__(self, keys, values, positions, counts, rank):
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.positions = positions
+            self.counts = list(counts)
+            self.rank = rank
+            self.device = keys.device
+            self.is_initialized = True
+
+        def get_seq_length(self) -> int:
+            return sum(self.counts)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            """Called by the attention module with the new token's k, v (its head group): they
+            are kept pending; ``decode_attention`` gathers them with q in one collective and
+            ``append``s them at their owner. Returns this rank's cached tokens."""
+            if key_states.shape[-2] != 1:
+                raise GenerateUnsupportedError(
+                    f"tspc: {key_states.shape[-2]} new tokens per step on a sequence-sharded cache; "
+                    "decoding runs one token per sequence (assisted / speculative decoding and "
+                    "chunked prefill are not supported)"
+                )
+            _current_step()  # a clear error outside a decode step
+            self.pending = (key_states, value_states)
+            return self.keys, self.values
+
+        def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """The new token's K/V of every KV head: cached by its owner rank only."""
+            pos = self.get_seq_length()
+            owner = owner_of_next(self.counts)
+            self.counts[owner] += 1
+            if owner == self.rank:
+                self.keys = torch.cat([self.keys, keys], dim=-2)
+                self.values = torch.cat([self.values, values], dim=-2)
+                self.positions = torch.cat(
+                    [self.positions, torch.tensor([pos], device=self.positions.device)]
+                )
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise GenerateUnsupportedError(
+                "tspc: beam search / num_return_sequences > 1 are not supported on a "
+                "sequence-sharded cache"
+            )
+
+        def batch_select_indices(self, indices) -> None:
+            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be re-batched")
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise GenerateUnsupportedError("tspc: beam search is not supported")
+
+    class TSPCache(Cache):
+        """transformers' ``Cache`` over ``TSPCacheLayer``s: each rank holds its own tokens' K/V."""
+
+        def __init__(self, layers, group: str, world: int, rank: int):
+            super().__init__(layers=layers)
+            self.group, self.world, self.rank = group, world, rank
+
+        @property
+        def is_compileable(self) -> bool:
+            return False
+
+        def local_tokens(self) -> int:
+            """Tokens of the first layer this rank caches."""
+            return self.layers[0].keys.shape[-2]
+
+        def nbytes(self) -> int:
+            return sum(
+                layer.keys.numel() * layer.keys.element_size()
+                + layer.values.numel() * layer.values.element_size()
+                for layer in self.layers
+            )
+
+    return TSPCacheLayer, TSPCache
+
+
+_TYPES: dict[str, type] = {}
+
+
+def _types():
+    if not _TYPES:
+        _TYPES["layer"], _TYPES["cache"] = _make_cache_types()
+    return _TYPES["layer"], _TYPES["cache"]
+
+
+def tsp_cache_type() -> type:
+    """The ``TSPCache`` class (transformers is imported on first use)."""
+    return _types()[1]
+
+
+def cache_from_prefill(
+    cache, prompt_len: int, sharded: bool, group: str, world: int, rank: int
+) -> Any:
+    """A ``TSPCache`` from the prefill's ``DynamicCache``: its K/V hold this rank's zigzag tokens
+    of the padded prompt (``sharded``), or the whole prompt (gathered); keep this rank's real
+    tokens."""
+    layer_cls, cache_cls = _types()
+    P = padded_length(prompt_len, world)
+    counts = [int((zigzag_indices(P, r, world) < prompt_len).sum()) for r in range(world)]
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        pos = zigzag_indices(P, rank, world).to(keys.device)
+        if sharded:
+            if keys.shape[-2] != P // world:
+                raise RuntimeError(
+                    f"tspc: the prefill returned {keys.shape[-2]} cached tokens per rank, "
+                    f"expected {P // world} (prompt {prompt_len}, {world} ranks)"
+                )
+            valid = pos < prompt_len
+            keys, values, pos = keys[..., valid, :], values[..., valid, :], pos[valid]
+        else:
+            pos = pos[pos < prompt_len]
+            keys, values = keys.index_select(-2, pos), values.index_select(-2, pos)
+        layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank))
+    return cache_cls(layers, group, world, rank)
+
+
+# --------------------------------------------------------------------------- one decode step
+
+_LOCAL = threading.local()
+
+
+@dataclass
+class _Step:
+    comm: DecodeComm
+    cache: Any
+    tag_of_layer: dict[int, str] = field(default_factory=dict)  # layer index -> counter tag
+
+    def kv_sharded(self, k: torch.Tensor, kv_heads: int) -> bool:
+        """Whether the new token's ``k`` holds this rank's group of the ``kv_heads`` heads the
+        cache holds (the prompt's K/V came out of the graph with every head: the cache, not a
+        config attribute, says how many there are)."""
+        n = k.shape[1]
+        if n == kv_heads:
+            return False
+        if n * self.comm.world == kv_heads:
+            return True
+        raise GenerateUnsupportedError(
+            f"tspc: a decode step produced {n} KV heads on this rank of {self.comm.world}, "
+            f"neither all {kv_heads} nor an even share: the K/V projection is not sharded "
+            "by whole head groups"
+        )
+
+
+def _current_step() -> _Step:
+    step = getattr(_LOCAL, "step", None)
+    if step is None:
+        raise RuntimeError(
+            "tspc: the sequence-sharded cache was used outside a tspc decode step; call the model "
+            "whose forward tspc routes (model.generate after compiling), not the module directly"
+        )
+    return step
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """transformers attention-interface function for one decode step: ``query`` [B, H_l, T, d]
+    holds this rank's head group (or all heads when the projection is not sharded); ``key`` /
+    ``value`` are this rank's cached tokens (``TSPCacheLayer.update`` returned them)."""
+    step = _current_step()
+    for name in ("softcap", "sinks", "s_aux"):
+        if kw.get(name) is not None:
+            raise GenerateUnsupportedError(f"tspc: decode attention with {name} is not supported")
+    layer_idx = module.layer_idx
+    layer = step.cache.layers[layer_idx]
+    tag = step.tag_of_layer.get(layer_idx, "decode")
+    comm = step.comm
+    B, h_local, T, d = query.shape
+    heads = module.config.num_attention_heads
+    if h_local == heads:
+        q_sharded = False
+    elif h_local * comm.world == heads:
+        q_sharded = True
+    else:
+        raise GenerateUnsupportedError(
+            f"tspc: {h_local} query heads on this rank of {comm.world} ({heads} in all): the "
+            "query projection is not sharded by whole head groups"
+        )
+    k_new, v_new = layer.pending
+    layer.pending = None
+    kv_sharded = step.kv_sharded(k_new, layer.keys.shape[1])
+    # one all-gather of what is sharded: [q; k; v] of this rank's head groups
+    mine = ([query] if q_sharded else []) + ([k_new, v_new] if kv_sharded else [])
+    if mine:
+        parts = comm.all_gather(torch.cat(mine, dim=1), tag)
+        sizes = [t.shape[1] for t in mine]
+        split = [p.split(sizes, dim=1) for p in parts]
+        gathered = [torch.cat([s[i] for s in split], dim=1) for i in range(len(mine))]
+        if q_sharded:
+            query_all, gathered = gathered[0], gathered[1:]
+        if kv_sharded:
+            k_new, v_new = gathered
+    q_all = query_all if q_sharded else query
+    layer.append(k_new, v_new)
+    key, value = layer.keys, layer.values
+    keep = None
+    if attention_mask is not None:
+        cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L_p]
+        keep = cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
+    scale = scaling if scaling is not None else d**-0.5
+    out, lse = partial_attention(q_all, key, value, keep, scale)  # every head, these keys
+    packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [B, H, T, d+1] fp32
+    if q_sharded:
+        parts = packed.reshape(B, comm.world, h_local, T, d + 1).transpose(0, 1)
+        recv = comm.all_to_all(parts, tag)  # [D, B, H_l, T, d+1]: my group, from every rank
+    else:
+        recv = torch.stack(comm.all_gather(packed, tag))
+    merged = merge_partials(recv[..., :d], recv[..., d])  # [B, H_l, T, d]
+    return merged.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, decode_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+@dataclass
+class _TPPlan:
+    """Where the model's TSP parameters lie (found once per model: walking every module on
+    every decoded token would cost more than the token)."""
+
+    params: list[tuple[nn.Module, str, str]]  # (module, parameter name, module name)
+    row_parallel: list[tuple[nn.Module, str]]  # Linear modules holding W's columns
+
+
+def _tp_plan(model: nn.Module) -> _TPPlan:
+    params, row_parallel = [], []
+    for fqn, mod in model.named_modules():
+        for name, p in mod._parameters.items():
+            tp = tsp_param_of(p) if p is not None else None
+            if tp is None:
+                continue
+            placement = tp.placement
+            if placement[0] == "strided" or (
+                placement[0] == "shard" and not isinstance(mod, nn.Linear)
+            ):
+                raise GenerateUnsupportedError(
+                    f"tspc: decoding needs separate nn.Linear projections sharded by whole "
+                    f"head groups / F-slices; {fqn}.{name} ({type(mod).__name__}) is held as "
+                    f"{placement[0]}: fused projections and Conv1D are not supported yet"
+                )
+            params.append((mod, name, fqn))
+            if placement[0] == "shard" and placement[1] == 1 and name == "weight":
+                row_parallel.append((mod, fqn))
+    return _TPPlan(params, row_parallel)
+
+
+@contextmanager
+def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
+    """Every module holds plain tensors of what this rank has: a sharded weight's local slices
+    (``Shard(0)``: its rows, the module computes its head group / F-slice; ``Shard(1)``: its
+    columns, the module's output is a partial sum, all-reduced by a hook; the bias added once),
+    a replicated parameter's full value. Restored on exit."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+    hooks = []
+    try:
+        for mod, name, fqn in plan.params:
+            p = mod._parameters[name]
+            tp = tsp_param_of(p)
+            if tp is None:
+                raise RuntimeError(f"tspc: {fqn}.{name} is no longer a TSP parameter")
+            with torch.no_grad():
+                local = tp.dparam.to_local()
+            saved.append((mod, name, p))
+            mod._parameters[name] = local
+        for mod, fqn in plan.row_parallel:
+            if mod._parameters.get("bias") is not None and comm.rank != 0:
+                saved.append((mod, "bias", mod._parameters["bias"]))
+                mod._parameters["bias"] = None  # the sum of the partials adds it once
+
+            def reduce(m, args, out, tag=f"decode:{fqn}"):
+                return comm.all_reduce(out, tag)
+
+            hooks.append(mod.register_forward_hook(reduce))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for mod, name, p in reversed(saved):
+            mod._parameters[name] = p
+
+
+@contextmanager
+def _stand_ins(model: nn.Module) -> Iterator[None]:
+    """The compiled graphs were traced with the plain stand-ins of the DTensor parameters: a
+    hook on the module the user called puts them in place, but a routed ``cm.generate`` calls
+    the inner model, whose modules may still hold the DTensors. Put them in place here too."""
+    swapped = []
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and is_tsp_dtensor(p):
+                tp = tsp_param_of(p)
+                _refresh_handle(tp)
+                swapped.append((mod, name, p))
+                mod._parameters[name] = tp.handle
+    try:
+        yield
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
+
+
+def _tsp_group_of(model: nn.Module) -> tuple[str, int] | None:
+    for p in model.parameters():
+        tp = tsp_param_of(p)
+        if tp is not None:
+            return tp.group, tp.world
+    for mod in model.modules():  # during a call the modules hold the stand-ins
+        for p in mod._parameters.values():
+            tp = tsp_param_of(p) if p is not None else None
+            if tp is not None:
+                return tp.group, tp.world
+    return None
+
+
+# --------------------------------------------------------------------------- the routed forward
+
+
+class GenerateForward:
+    """``model.forward`` while tspc routes it: prompts run the TSP graph (K/V left sharded),
+    decode steps run tensor-parallel on the shards; any other call runs the compiled forward."""
+
+    def __init__(self, model: nn.Module, compiled: Any | None, options: dict | None):
+        self._model = weakref.ref(model)
+        self.options = {k: v for k, v in (options or {}).items() if k != "outputs"}
+        self.eager = type(model).forward.__get__(model)
+        self.compiled = compiled or torch.compile(
+            self.eager, backend="tsp", options={**self.options, "outputs": "gathered"}
+        )
+        self._setup = None  # (DecodeComm, _TPPlan, counter tags), at the first decode step
+        self.prefill = torch.compile(
+            self.eager, backend="tsp", options={**self.options, "outputs": "sharded"}
+        )
+        functools.update_wrapper(self, type(model).forward)  # generate() reads the signature
+        _register_attention()
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
+
+    def __call__(self, *args, **kwargs):
+        cache_key = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(cache_key)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.model.config, "use_cache", False)
+        cache_type = tsp_cache_type()
+        if isinstance(cache, cache_type):
+            return self._decode(args, kwargs)
+        if cache is not None and cache.get_seq_length() > 0:
+            # a cache the compiled forward filled (gathered K/V: the first prompt of the idiom)
+            grp = _tsp_group_of(self.model)
+            group, world = grp if grp is not None else ("", 1)  # D = 1: nothing sharded
+            rank = dist.get_rank(_pg(group)) if world > 1 else 0
+            kwargs[cache_key] = cache_from_prefill(
+                cache, cache.get_seq_length(), False, group, world, rank
+            )
+            return self._decode(args, kwargs)
+        if not getattr(_LOCAL, "generating", 0) or not use_cache or ids is None:
+            # a plain call (not from generate: exactly what the compiled forward returns)
+            with _stand_ins(self.model):
+                return self.compiled(*args, **kwargs)
+        return self._prefill(args, kwargs, cache_key)
+
+    def _prefill(self, args, kwargs, cache_key):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        keep = kwargs.get("logits_to_keep")
+        kwargs = {**kwargs, cache_key: None, "use_cache": True}
+        sharded = isinstance(keep, int) and keep >= 1  # else the logits of every token: gathered
+        with _stand_ins(self.model):
+            out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
+        grp = _tsp_group_of(self.model)
+        group, world = grp if grp is not None else ("", 1)
+        rank = dist.get_rank(_pg(group)) if world > 1 else 0
+        name = "cache" if "cache" in out else "past_key_values"
+        out[name] = cache_from_prefill(out[name], ids.shape[1], sharded, group, world, rank)
+        return out
+
+    def _decode(self, args, kwargs):
+        model = self.model
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if self._setup is None:
+            grp = _tsp_group_of(model)
+            group, world = grp if grp is not None else (cache.group, cache.world)
+            names = _attention_names(model)
+            self._setup = (
+                DecodeComm(group, world, cache.rank),
+                _tp_plan(model),
+                {i: f"decode:{n}" for i, n in names.items()},
+            )
+        comm, plan, tags = self._setup
+        step = _Step(
+            comm,
+            cache,
+            tag_of_layer=tags,
+        )
+        config = model.config
+        before = config._attn_implementation
+        _LOCAL.step = step
+        try:
+            config._attn_implementation = ATTN_NAME
+            with torch.no_grad(), _tensor_parallel(plan, comm):
+                try:
+                    out = self.eager(*args, **kwargs)
+                except RuntimeError as e:
+                    if isinstance(e, GenerateUnsupportedError):
+                        raise
+                    raise GenerateUnsupportedError(
+                        f"tspc: {type(model).__name__}'s decode step failed with each projection "
+                        "applied on this rank's shards (head group / F-slice). Its code needs "
+                        "something across all heads that tensor-parallel decoding does not "
+                        "provide (a norm over every head's features, as OLMo-2's q/k norms, or "
+                        f"a fixed head count in a reshape): {e}"
+                    ) from e
+        finally:
+            config._attn_implementation = before
+            _LOCAL.step = None
+        name = "cache" if "cache" in out else "past_key_values"
+        out[name] = cache
+        return out
+
+
+def _pg(group: str):
+    from tspc.runtime.group import process_group
+
+    return process_group(group)
+
+
+def _attention_names(model: nn.Module) -> dict[int, str]:
+    """layer index -> the attention module's name (counter tags)."""
+    return {
+        m.layer_idx: fqn
+        for fqn, m in model.named_modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config")
+    }
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def _is_generative(model: Any) -> bool:
+    return isinstance(model, nn.Module) and callable(getattr(type(model), "generate", None))
+
+
+@contextmanager
+def _generating() -> Iterator[None]:
+    """Calls of a routed forward inside ``generate`` take the prompt / decode paths; any other
+    call gets what the compiled forward returns, unchanged (its gathered K/V included)."""
+    depth = getattr(_LOCAL, "generating", 0)
+    _LOCAL.generating = depth + 1
+    try:
+        yield
+    finally:
+        _LOCAL.generating = depth
+
+
+def route(model: nn.Module, compiled: Any | None, options: dict | None) -> None:
+    """Route ``model.forward`` through ``GenerateForward``, and mark ``model.generate``'s calls
+    (idempotent)."""
+    if isinstance(model.__dict__.get("forward"), GenerateForward):
+        return
+    model.forward = GenerateForward(model, compiled, options)
+    cls_generate = type(model).generate
+    ref = weakref.ref(model)
+
+    @functools.wraps(cls_generate)
+    def generate(*args, **kwargs):
+        with _generating():
+            return cls_generate(ref(), *args, **kwargs)
+
+    model.__dict__["generate"] = generate
+
+
+def enable_generate(model: Any, options: dict | None = None) -> Any:
+    """Make ``model.generate`` (a transformers model, its ``torch.compile(model, backend="tsp")``
+    wrapper, or a model whose forward was compiled) run the prompt on the TSP schedules and the
+    decode steps tensor-parallel on the shards. Returns ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        inner = model._orig_mod
+        if not _is_generative(inner):
+            raise GenerateUnsupportedError(f"tspc: {type(inner).__name__} has no generate()")
+        _route_compiled_module(model, options)
+        return model
+    if not _is_generative(model):
+        raise GenerateUnsupportedError(f"tspc: {type(model).__name__} has no generate()")
+    own = model.__dict__.get("forward")
+    route(model, own if own is not None and not isinstance(own, GenerateForward) else None, options)
+    return model
+
+
+def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
+    """``cm.generate`` runs the inner model's generate with its forward routed (only during the
+    call: ``cm(...)`` itself keeps tracing the model's own forward)."""
+    inner = cm._orig_mod
+    if "generate" in cm.__dict__:
+        return
+    fwd = GenerateForward(inner, None, options)
+
+    @functools.wraps(type(inner).generate)
+    def generate(*args, **kwargs):
+        had = inner.__dict__.get("forward")
+        inner.forward = fwd
+        try:
+            with _generating():
+                return type(inner).generate(inner, *args, **kwargs)
+        finally:
+            if had is None:
+                del inner.forward
+            else:
+                inner.forward = had
+
+    cm.__dict__["generate"] = generate
+
+
+def route_from_backend(options: dict | None) -> None:
+    """Called by the ``tsp`` backend while it compiles: route ``generate`` of the module being
+    called (the model whose forward the user compiled, or ``torch.compile(model)``'s wrapper)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from tspc.runtime.tsp_params import _entry_module
+
+    entry = _entry_module()
+    if entry is None:
+        return
+    if isinstance(entry, OptimizedModule):
+        if _is_generative(entry._orig_mod):
+            _route_compiled_module(entry, options)
+        return
+    own = entry.__dict__.get("forward")
+    if _is_generative(entry) and own is not None and not isinstance(own, GenerateForward):
+        route(entry, own, options)
