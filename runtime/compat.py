@@ -161,3 +161,11 @@ def global_state_snapshot():
     from torch._C._dynamo.guards import GlobalStateGuard
 
     return GlobalStateGuard()
+
+
+def optimized_module_class() -> type:
+    """The class of ``torch.compile(module)``'s wrapper (``OptimizedModule``, in a private
+    Dynamo module in torch 2.13): ``generate`` finds the user's model behind it."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return OptimizedModule

@@ -561,7 +561,9 @@ def enable_generate(model: Any, options: dict | None = None) -> Any:
     """Make ``model.generate`` (a transformers model, its ``torch.compile(model, backend="tsp")``
     wrapper, or a model whose forward was compiled) run the prompt on the TSP schedules and the
     decode steps tensor-parallel on the shards. Returns ``model``."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from tspc.runtime.compat import optimized_module_class
+
+    OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     if isinstance(model, OptimizedModule):
         inner = model._orig_mod
@@ -603,7 +605,9 @@ def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
 def route_from_backend(options: dict | None) -> None:
     """Called by the ``tsp`` backend while it compiles: route ``generate`` of the module being
     called (the model whose forward the user compiled, or ``torch.compile(model)``'s wrapper)."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    from tspc.runtime.compat import optimized_module_class
+
+    OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     from tspc.runtime.tsp_params import _entry_module
 
