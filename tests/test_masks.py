@@ -497,12 +497,15 @@ def _memory_and_release_worker(rank: int, world: int) -> dict:
         def broken(*args, **kwargs):
             raise RuntimeError("injected: the 'tsp' rewrite fails on this graph")
 
+        rewrite_attention = tspc.pipeline.rewrite_attention
         tspc.pipeline.rewrite_attention = broken
         try:
             cm(input_ids=torch.randint(1, 128, (2, 24)))  # a new length: a new graph
             out["error"] = None
         except Exception as e:  # noqa: BLE001 - the message is what the test checks
             out["error"] = f"{type(e).__name__}: {e}"
+        finally:  # the worker process may serve the next test (tspc/launch.py's pool)
+            tspc.pipeline.rewrite_attention = rewrite_attention
     return out
 
 

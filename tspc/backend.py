@@ -379,7 +379,7 @@ class _PerShapeCompiler:
                 reused = compiles.reuse_for(
                     compiles.graph_signature(static, list(args)),
                     self.names,
-                    _reuse_key(self.group, self.opts),
+                    _reuse_key(self.group, self.opts, self.dynamo_id),
                 )
                 if reused is not None:
                     fn, graph_id = reused
@@ -441,10 +441,16 @@ def _tsp_backend(gm, example_inputs, options):
     fn = _compile_static(gm, list(example_inputs), group, opts, why, dynamo_id)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     signature = compiles.graph_signature(gm, list(example_inputs))
-    compiles.remember_static(signature, _reuse_key(group, opts), fn, names, last_graph_id())
+    compiles.remember_static(
+        signature, _reuse_key(group, opts, dynamo_id), fn, names, last_graph_id()
+    )
     return fn
 
 
-def _reuse_key(group: TSPGroup, opts: TSPOptions) -> tuple:
-    """What besides the graph a compile depends on: the TSP group and the options."""
-    return (group.name, group.size, group.rank, group.dp_name, group.dp_size, opts)
+def _reuse_key(group: TSPGroup, opts: TSPOptions, dynamo_id: str | None) -> tuple:
+    """What besides the graph a compile depends on: the TSP group and the options; and the
+    Dynamo frame it was traced from ("3/0" -> "3"): a compile is reused only for a recompile of
+    the same frame (its symbolic trace), never for another model that happens to trace the same
+    graph (its report would be missing)."""
+    frame = dynamo_id.split("/")[0] if dynamo_id else None
+    return (group.name, group.size, group.rank, group.dp_name, group.dp_size, opts, frame)

@@ -103,6 +103,7 @@ def _pool_worker(rank, world_size, port, tasks, queue, parent_pid, pg_timeout):
         fn, args = task
         environ = dict(os.environ)
         torch._dynamo.reset()
+        _forget_tspc_compiles()
         torch.manual_seed(seed)
         random.seed(seed)
         try:
@@ -113,6 +114,21 @@ def _pool_worker(rank, world_size, port, tasks, queue, parent_pid, pg_timeout):
             os.environ.clear()
             os.environ.update(environ)
     dist.destroy_process_group()
+
+
+def _forget_tspc_compiles() -> None:
+    """What a fresh process would not hold: compiles kept for reuse, reports, dumps' graphs."""
+    import sys
+
+    compiles = sys.modules.get("tspc.compiles")
+    if compiles is not None:
+        compiles.STATIC.clear()
+    backend = sys.modules.get("tspc.backend")
+    if backend is not None:
+        backend.COMPILED.clear()
+    report = sys.modules.get("tspc.report")
+    if report is not None:
+        report.REPORTS.clear()
 
 
 class _Pool:
