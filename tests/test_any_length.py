@@ -207,7 +207,7 @@ def _check_reference(results, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_reference_model_any_length_matches_one_process(world):
     _check_reference(spawn(reference_worker, world, _reference_cases(world), timeout=900), world)
 
