@@ -12,7 +12,7 @@ process, without tspc:
 So every family meets both attention implementations, padding masks and internal sequence
 padding, at both world sizes. That whole matrix runs with ``TSPC_ZOO=full`` (about 15 minutes on
 two cores; the README's zoo table comes from it); the default suite runs each family once, at
-one world size and one of its two runs (``_sample_cases``). Checked each time: logits at every real position equal one process
+D = 2 (D = 4 in the extended tier) with one of its two runs (``_sample_cases``). Checked each time: logits at every real position equal one process
 (relative error < 1e-5), the compile ran level 'tsp' with no fallback, and the report lists
 **every** decoder layer's attention and MLP with exactly the status this table expects — matched,
 or skipped with the stated reason (MoE MLPs, and the gaps listed in ``KNOWN_GAPS``). A family

@@ -320,6 +320,11 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
             reorder_for_peak_memory=False,
             reorder_for_locality=False,
             post_grad_custom_post_pass=_split_addmm_pass(),
+            # A graph with transfers is compiled afresh: with a warm FX graph cache, the code
+            # of one of test_inner_inductor's D = 2 graphs failed the overlap FileCheck that
+            # the same graph's cold compile passes (not diagnosed; the choices handler above
+            # is not part of the cache key). Graphs without transfers (D = 1) use the cache.
+            fx_graph_cache=False,
         ),
         V.set_choices_handler(_fence_choices()),
     ):
