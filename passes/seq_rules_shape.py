@@ -53,6 +53,17 @@ def _sizes_arg(node: fx.Node):
     return sizes, setter
 
 
+def _set_local_sizes(node: fx.Node, out: Sharded, out_shape) -> bool:
+    """Rewrite ``node``'s size argument for the local length of the split dim (False: the
+    sizes do not keep the split factor whole)."""
+    sizes, setter = _sizes_arg(node)
+    new = rewrite_sizes(sizes, out.dim, out_shape[out.dim], out.local_size(out_shape[out.dim]))
+    if new is None:
+        return False
+    setter(new)
+    return True
+
+
 def _view_like(p: SequencePropagator, node: fx.Node, sizes_rewrite: bool):
     x = node.args[0]
     sh = p.L(x)
@@ -66,10 +77,8 @@ def _view_like(p: SequencePropagator, node: fx.Node, sizes_rewrite: bool):
         sizes, setter = _sizes_arg(node)
         if any(isinstance(s, fx.Node) for s in sizes):
             return False
-        new = rewrite_sizes(sizes, out.dim, out_shape[out.dim], out.local_size(out_shape[out.dim]))
-        if new is None:
+        if not _set_local_sizes(node, out, out_shape):
             return False
-        setter(new)
     p.layout[node] = out
     return None
 
@@ -138,11 +147,8 @@ def rule_expand(p: SequencePropagator, node):
         return False
     out_shape = shape(node)
     out = map_broadcast(len(shape(x)), len(out_shape), sh)
-    sizes, setter = _sizes_arg(node)
-    new = rewrite_sizes(sizes, out.dim, out_shape[out.dim], out.local_size(out_shape[out.dim]))
-    if new is None:
+    if not _set_local_sizes(node, out, out_shape):
         return False
-    setter(new)
     p.layout[node] = out
     return None
 

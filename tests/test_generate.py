@@ -20,21 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import D4_EXTENDED
+from tests.helpers import D4_EXTENDED, HF_SMALL
 from tspc.launch import spawn
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    use_cache=True,
-    attn_implementation="sdpa",
-)
+SMALL = {**HF_SMALL, "use_cache": True, "attn_implementation": "sdpa"}
 PROMPT, NEW = 11, 6
 
 
