@@ -12,6 +12,7 @@ private to torch (``torch._...``) are imported only in ``runtime/compat.py``, ``
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def core_files() -> list[tuple[str, Path]]:
     return out
 
 
+@functools.cache
 def imported_modules(package: str, path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, relative ones resolved; an
     import inside a function counts too."""
