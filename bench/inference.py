@@ -35,27 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.generate_tsp import build  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
-
-
-def build(args: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        vocab_size=args["vocab"],
-        hidden_size=args["hidden"],
-        intermediate_size=args["intermediate"],
-        num_hidden_layers=args["layers"],
-        num_attention_heads=args["heads"],
-        num_key_value_heads=args["kv_heads"],
-        max_position_embeddings=args["prompt"] + args["new"] + 8,
-        pad_token_id=0,
-        use_cache=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _tp(model, world: int):

@@ -118,7 +118,8 @@ def zigzag_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -
     valid = None
     if key_padding:
         valid = torch.ones(b, n, dtype=torch.bool)
-        valid[0, :3] = False  # rows that see no key
+        valid[0, :3] = False  # left padding: rows that see no key at all
+        valid[1, -3:] = False  # right padding
         mask = mask & valid[:, None, None, :]
     rep = hq // kv_heads
     ref = F.scaled_dot_product_attention(
