@@ -14,7 +14,7 @@ tokens, batch 1, on CPU gloo processes:
   rowwise o/down; every rank runs the whole prompt, KV cache sharded by heads), eager generate.
 
 Per rank: weights held (bytes of the local tensors), KV cache held after generate, the peak of
-CPU memory allocated during generate above what was resident before it (``tspc.memory.
+CPU memory allocated during generate above what was resident before it (``tspc.tools.memory.
 MemoryTracker``: activations, cache and communication buffers), prefill time (the model's first
 call in a generate) and decode tokens/s (its other calls, one token each). Speed runs without the
 tracker (the profiler under it costs time); a short warm-up generate compiles first.
@@ -79,7 +79,7 @@ def _cache_bytes(cache) -> int:
 
 
 def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     torch.set_num_threads(1)
     model = build(args)
