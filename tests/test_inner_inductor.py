@@ -45,8 +45,13 @@ def inductor_worker(rank: int, world: int) -> dict:
         # last head group's weight wait up to right after its broadcast's start
         lines = aot.forward_inductor_code[0].splitlines()
         start = max(i for i, ln in enumerate(lines) if "tspc.broadcast_start.default(" in ln)
-        wait = max(i for i, ln in enumerate(lines) if "tspc.broadcast_wait.default(" in ln)
-        lines.insert(start + 2, lines.pop(wait))  # after the start and its handle's binding
+        buffer = lines[start].split(" = ", 1)[0].strip()
+        wait = next(
+            i
+            for i, ln in enumerate(lines)
+            if f"_c10d_functional.wait_tensor.default({buffer})" in ln
+        )
+        lines.insert(start + 1, lines.pop(wait))  # right after the start's line
         try:
             check_transfers_keep_overlap(aot.forward_gms[0], "\n".join(lines))
             moved_wait_caught = False

@@ -6,7 +6,8 @@
   in backward rather than save their results, so neither a layer's full weights nor the full
   K/V are kept alive between forward and backward (``tsp_partition``).
 * ``inductor`` — the same, with Inductor compiling the local compute of both graphs; the
-  collectives stay explicit extern calls where the schedule placed them. Left alone, Inductor
+  collectives stay where the schedule placed them: each start an Inductor collective kernel
+  (``runtime/comm.py``'s ``lower_for_inductor``), each wait torch's ``wait_tensor``. Left alone, Inductor
   would undo the schedule: it fuses elementwise kernels of different head groups that read the
   same tables (RoPE's cos/sin), which drags group r+1's projections — and the wait for its
   weights — in front of group r's attention, and it reorders nodes for memory and locality.
@@ -46,11 +47,12 @@ _RECOMPUTE_STARTS = (
     torch.ops.tspc.all_gather_start.default,
     torch.ops.tspc.ring_start.default,
 )
-_RECOMPUTE_WAITS = (
-    torch.ops.tspc.broadcast_wait.default,
-    torch.ops.tspc.all_gather_wait.default,
-    torch.ops.tspc.ring_wait.default,
-)
+
+
+def _is_recomputed_wait(n: fx.Node) -> bool:
+    """The wait of a weight broadcast, K/V gather or ring hop (in a traced graph, the
+    ``wait_tensor`` of such a start)."""
+    return is_transfer_wait(n) and n.args[0].target in _RECOMPUTE_STARTS
 
 
 def _mark(n: fx.Node) -> None:
@@ -80,7 +82,7 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
                 for i in src.all_input_nodes:
                     if is_view_or_pack(i):
                         _mark(i)
-        elif n.target in _RECOMPUTE_WAITS:
+        elif _is_recomputed_wait(n):
             _mark(n)
             stack = list(n.users)
             while stack:
@@ -102,7 +104,7 @@ def keep_backward_transfers_in_backward(graph: fx.Graph) -> int:
     for n in graph.nodes:
         if (
             n.op == "call_function"
-            and getattr(n.target, "namespace", None) == "tspc"
+            and (getattr(n.target, "namespace", None) == "tspc" or is_transfer_wait(n))
             and n.meta.get("partitioner_tag") == "is_backward"
         ):
             n.meta["partitioner_tag"] = "must_be_in_backward"
@@ -143,7 +145,7 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
             u = stack.pop()
             if u in seen or _in_backward(u) or u.op != "call_function":
                 continue
-            if u.target in _RECOMPUTE_WAITS or (
+            if _is_recomputed_wait(u) or (
                 is_view_or_pack(u) and u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
             ):
                 seen.add(u)
@@ -315,6 +317,7 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
 
     if not any(_is_collective(n) for n in g.graph.nodes):
         return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
+    comm.lower_for_inductor()  # the starts as Inductor collective kernels (runtime/comm.py)
     with (
         inductor_config.patch(
             reorder_for_peak_memory=False,
