@@ -170,6 +170,12 @@ def register_work(tensor: torch.Tensor, work) -> None:
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
+def work_registry_size() -> int:
+    """How many Works torch's registry holds (registered, not yet waited): 0 after a step
+    whose every collective was waited (private in torch 2.13)."""
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
 def wait_tensor_op():
     """``_c10d_functional::wait_tensor``: completes every Work registered under a tensor and
     returns the tensor. aot_autograd, Inductor and the profiler know it as a collective's wait
