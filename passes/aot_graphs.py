@@ -24,11 +24,12 @@ _RECOMPUTE_STARTS = (
     torch.ops.tspc.all_gather_start.default,
     torch.ops.tspc.ring_start.default,
 )
-_RECOMPUTE_WAITS = (
-    torch.ops.tspc.broadcast_wait.default,
-    torch.ops.tspc.all_gather_wait.default,
-    torch.ops.tspc.ring_wait.default,
-)
+
+
+def _is_recomputed_wait(n: fx.Node) -> bool:
+    """The wait of a weight broadcast, K/V gather or ring hop (in a traced graph, the
+    ``wait_tensor`` of such a start)."""
+    return is_transfer_wait(n) and n.args[0].target in _RECOMPUTE_STARTS
 
 
 def _mark(n: fx.Node) -> None:
@@ -58,7 +59,7 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
                 for i in src.all_input_nodes:
                     if is_view_or_pack(i):
                         _mark(i)
-        elif n.target in _RECOMPUTE_WAITS:
+        elif _is_recomputed_wait(n):
             _mark(n)
             stack = list(n.users)
             while stack:
@@ -80,7 +81,7 @@ def keep_backward_transfers_in_backward(graph: fx.Graph) -> int:
     for n in graph.nodes:
         if (
             n.op == "call_function"
-            and getattr(n.target, "namespace", None) == "tspc"
+            and (getattr(n.target, "namespace", None) == "tspc" or is_transfer_wait(n))
             and n.meta.get("partitioner_tag") == "is_backward"
         ):
             n.meta["partitioner_tag"] = "must_be_in_backward"
@@ -121,7 +122,7 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
             u = stack.pop()
             if u in seen or _in_backward(u) or u.op != "call_function":
                 continue
-            if u.target in _RECOMPUTE_WAITS or (
+            if _is_recomputed_wait(u) or (
                 is_view_or_pack(u) and u.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE
             ):
                 seen.add(u)

@@ -512,7 +512,8 @@ def _async_gather(g, local: fx.Node, template: fx.Node, tag: str, r: int) -> fx.
     """All-gather one head group's keys or values, as the sequence pass gathered the whole."""
     _, _x, dim, outer, inner, _rg, gname, world, _tag = template.args
     start = g.call_function(
-        torch.ops.tspc.all_gather_start.default, (local, dim, outer, inner, gname, world, tag)
+        torch.ops.tspc.all_gather_start.default,
+        (local, dim, outer, inner, True, gname, world, tag),
     )
     wait = g.call_function(
         torch.ops.tspc.all_gather_wait.default,

@@ -61,10 +61,10 @@ import torch.fx as fx
 
 from tspc.runtime.comm import (
     START_KIND,
-    START_TO_WAIT,
     is_transfer,
     is_transfer_start,
     is_transfer_wait,
+    wait_of,
 )
 from tspc.runtime.compat import OpOverload
 from tspc.runtime.packing import pack
@@ -299,11 +299,7 @@ def _tag(start: fx.Node) -> str:
 
 
 def _wait_of(start: fx.Node) -> fx.Node | None:
-    wait_op = START_TO_WAIT[start.target]
-    for u in start.users:
-        if u.op == "call_function" and u.target is wait_op:
-            return u
-    return None
+    return wait_of(start)
 
 
 def _stream_key(start: fx.Node) -> tuple:

@@ -105,7 +105,7 @@ class SequencePropagator:
         with self.g.inserting_after(x):
             start = self.g.call_function(
                 torch.ops.tspc.all_gather_start.default,
-                (x, sh.dim, sh.outer, sh.inner, self.group, self.D, tag),
+                (x, sh.dim, sh.outer, sh.inner, True, self.group, self.D, tag),
             )
         with self.g.inserting_after(start):
             wait = self.g.call_function(
@@ -312,7 +312,7 @@ class SequencePropagator:
                 with self.g.inserting_before(out):
                     start = self.g.call_function(
                         torch.ops.tspc.all_gather_start.default,
-                        (a, sl.dim, sl.outer, sl.inner, self.group, self.D, "output"),
+                        (a, sl.dim, sl.outer, sl.inner, False, self.group, self.D, "output"),
                     )
                     wait = self.g.call_function(
                         torch.ops.tspc.all_gather_wait.default,

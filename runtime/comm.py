@@ -1,41 +1,61 @@
-"""The collectives the TSP schedules use, as ``torch.library`` custom ops with a separate wait.
+"""The collectives the TSP schedules use: a start op that issues the transfer and a wait.
 
-Each collective is two graph nodes: ``tspc::<kind>_start(...) -> handle`` issues the transfer
-asynchronously and returns a small int64 handle; ``tspc::<kind>_wait(handle, x, ...) -> result``
-blocks until it is done and returns the result. Between the two, a scheduler can place compute,
-which is how communication hides behind GEMMs. Both nodes are marked side-effectful so that no
-dead-code or common-subexpression pass removes or merges a collective.
+Each collective is two graph nodes. ``tspc::<kind>_start(x, ...) -> pending`` issues the
+transfer asynchronously and returns the buffer it lands in, with the transfer's c10d Work
+registered under that buffer in torch's own work registry (``_register_work``, what torch's
+functional collectives do); ``tspc::<kind>_wait(pending, x, ...)`` completes it with
+``_c10d_functional::wait_tensor`` and puts the result in the caller's layout (the zigzag
+order of a gathered sequence, the values' dtype after a 16-bit sum moved in fp32). Between
+the two, a scheduler can place compute, which is how communication hides behind GEMMs. There
+is no tspc table of handles: a Work lives in torch's registry until ``wait_tensor`` pops it.
 
-Why a handle instead of returning the receive buffer from ``start``: the buffer is being written
-by the network until the wait, so no compiled code may read it or reuse its memory before then.
-Returning it only from ``wait`` makes that a data dependency. The wait also takes the start's
-input ``x``, so ``x`` stays alive (and unmodified by buffer reuse) while the transfer reads it.
+The waits are ``CompositeImplicitAutograd``: the graph passes see one ``tspc::<kind>_wait``
+node (with the start's arguments, which they read), while aot_autograd traces it into
+``_c10d_functional.wait_tensor(pending)`` and the plain layout ops after it, so the forward
+and backward graphs that Inductor compiles hold torch's own wait, and Inductor lowers each
+start as one of its collective kernels (``lower_for_inductor``): ``wait_tensor``'s volatile
+reads then keep the start's input buffer from being reused while the network reads it.
+The starts are issued through the c10d API (``dist.broadcast``, ``all_gather_single``,
+``reduce_scatter_single``, ``all_reduce``, ``reduce``, ``batch_isend_irecv``) rather than the
+``_c10d_functional`` issue ops, whose own Work registration could not carry this graph's
+``comm_timeout`` or name the layer in a timeout error; what is registered is a
+``_TransferWork`` that waits the c10d Works and does both.
+
+Until the wait, the buffer is being written by the network, so no compiled code may read it;
+the start's output is consumed only by its wait, which makes that a data dependency. Both
+nodes are marked side-effectful so that no dead-code or common-subexpression pass removes or
+merges a collective.
 
 The ops take the group *name*, the group size ``world`` (shapes depend on it, and it must be part
 of a compiled graph's cache key rather than read from torch.distributed at trace time) and a
 ``tag`` naming the layer, under which the transfer is counted (``runtime.counters``).
 
-Autograd: the adjoint of a weight broadcast is a reduce of the gradient to the source; the
-adjoint of the zigzag all-gather is a reduce-scatter back to the token owners (or, for the
-output gather whose consumers hold identical gradients on every rank, just taking this rank's
-slice); the adjoint of a sum all-reduce is an all-reduce.
+Autograd (registered on the starts; ``wait_tensor`` passes gradients through, and the layout
+ops of the waits differentiate as plain tensor ops): the adjoint of a weight broadcast is a
+reduce of the gradient to the source; the adjoint of the all-gather is a reduce-scatter back
+to the token owners (or, for the output gather whose consumers hold identical gradients on
+every rank, just taking this rank's part); the adjoint of a sum all-reduce is an all-reduce.
+
+Timeouts: a wait on a CPU (gloo) buffer waits each Work with this graph's timeout
+(``timeout_scope``), and raises ``CollectiveTimeout`` naming the collective and the layer. On
+CUDA, ``Work.wait()`` only makes the current stream wait (NCCL's semantics: no CPU blocking),
+so the group's own timeout and its watchdog apply there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .compat import lower_as_inductor_collective, register_work, wait_tensor_op
 from .counters import COUNTER, received_and_sent
 from .group import process_group
-from .zigzag import zigzag_slice, zigzag_stack_parts, zigzag_unshard
+from .zigzag import zigzag_stack_parts, zigzag_unshard
 
 
 class CollectiveTimeout(RuntimeError):
@@ -62,7 +82,7 @@ _SCOPED: list[float | None] = []
 
 @contextlib.contextmanager
 def timeout_scope(seconds: float | None):
-    """Collectives waited inside use ``seconds`` (None: the process default, ``SETTINGS``)."""
+    """Collectives issued inside use ``seconds`` (None: the process default, ``SETTINGS``)."""
     _SCOPED.append(seconds)
     try:
         yield
@@ -75,51 +95,49 @@ def current_timeout() -> float | None:
     return scoped if scoped is not None else SETTINGS.timeout_s
 
 
-@dataclass
-class _Pending:
-    works: list
-    finish: Callable[[], torch.Tensor]
-    kind: str
-    tag: str
-    keepalive: tuple
+class _TransferWork(dist.Work):
+    """The Work registered under a start's output: waits the c10d Works of one transfer
+    (``wait_tensor`` calls it), with this graph's timeout, naming the collective on failure.
+    It holds the tensors the transfer reads or writes until then (``keepalive``)."""
 
+    def __init__(self, works, kind: str, tag: str, keepalive: tuple, on_cpu: bool):
+        super().__init__()
+        self._works = list(works)
+        self._kind = kind
+        self._tag = tag
+        self._keepalive = keepalive
+        # CPU blocking waits take a timeout; a CUDA wait only orders streams (see docstring).
+        self._timeout = current_timeout() if on_cpu else None
 
-_PENDING: dict[int, _Pending] = {}
-_IDS = itertools.count(1)
-
-
-def _register(works, finish, kind: str, tag: str, keepalive: tuple) -> torch.Tensor:
-    hid = next(_IDS)
-    _PENDING[hid] = _Pending(works, finish, kind, tag, keepalive)
-    return torch.tensor(hid, dtype=torch.int64)
-
-
-def _complete(handle: torch.Tensor) -> torch.Tensor:
-    hid = int(handle.item())
-    pending = _PENDING.pop(hid, None)
-    if pending is None:
-        raise RuntimeError(
-            f"tspc: wait on unknown collective handle {hid} (waited twice, or the start was "
-            "removed from the graph); this is a bug in a graph pass"
-        )
-    timeout = current_timeout()
-    for w in pending.works:
+    def wait(self, timeout=None) -> bool:
         try:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timeout=timedelta(seconds=timeout))
+            for w in self._works:
+                if self._timeout is None:
+                    w.wait()
+                else:
+                    w.wait(timeout=timedelta(seconds=self._timeout))
         except RuntimeError as e:
-            where = f"{pending.kind} for '{pending.tag}'"
-            rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveTimeout(
-                f"tspc: rank {rank}: {where} failed or did not complete"
-                + (f" within {timeout:g}s" if timeout is not None else "")
+                f"tspc: rank {dist.get_rank() if dist.is_initialized() else 0}: "
+                f"{self._kind} for '{self._tag}' failed or did not complete"
+                + (f" within {self._timeout:g}s" if self._timeout is not None else "")
                 + f": {e}. A peer may have died or stalled, or the ranks may be running "
                 "different graphs (set TSPC_COMM_TIMEOUT or options['comm_timeout'] to fail "
                 "sooner)."
             ) from e
-    return pending.finish()
+        finally:
+            self._works, self._keepalive = [], ()
+        return True
+
+
+def _pending(out: torch.Tensor, works, kind: str, tag: str, keepalive: tuple) -> torch.Tensor:
+    """Register the transfer writing ``out`` in torch's work registry and return ``out``."""
+    register_work(out, _TransferWork(works, kind, tag, keepalive, out.device.type == "cpu"))
+    return out
+
+
+def _wait(pending: torch.Tensor) -> torch.Tensor:
+    return _WAIT_TENSOR(pending)
 
 
 def _count(kind: str, tag: str, sent_buffer: torch.Tensor, world: int, is_root: bool = False):
@@ -138,14 +156,18 @@ def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().clone()
 
 
-def _handle_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64)
+def _wire_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
 
 
-def _side_effectful(*ops) -> None:
-    for op in ops:
-        torch.fx.node.has_side_effect(op.default)
+def _define_wait(name: str, schema: str, body) -> None:
+    """A wait op: ``CompositeImplicitAutograd``, so tracing turns it into ``wait_tensor`` and
+    the layout ops of ``body`` (module docstring)."""
+    torch.library.define(f"tspc::{name}", schema, lib=_LIB)
+    torch.library.impl(f"tspc::{name}", "CompositeImplicitAutograd", lib=_LIB)(body)
 
+
+_LIB = torch.library.Library("tspc", "FRAGMENT")
 
 # --------------------------------------------------------------------------- broadcast
 
@@ -163,24 +185,14 @@ def broadcast_start(
         buf.copy_(x.reshape(-1))
     work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
     _count("broadcast", tag, buf, world, is_src)
-    return _register([work], lambda: buf, "broadcast", tag, (x,))
+    return _pending(buf, [work], "broadcast", tag, (x,))
 
 
-broadcast_start.register_fake(lambda x, src, numel, group, world, tag: _handle_fake(x))
-
-
-@torch.library.custom_op("tspc::broadcast_wait", mutates_args=())
-def broadcast_wait(
-    handle: torch.Tensor, x: torch.Tensor, src: int, numel: int, group: str, world: int, tag: str
-) -> torch.Tensor:
-    return _complete(handle)
-
-
-broadcast_wait.register_fake(lambda handle, x, src, numel, group, world, tag: x.new_empty((numel,)))
+broadcast_start.register_fake(lambda x, src, numel, group, world, tag: x.new_empty((numel,)))
 
 
 def _broadcast_setup(ctx, inputs, output):
-    _, x, ctx.src, _, ctx.group, ctx.world, ctx.tag = inputs
+    x, ctx.src, _, ctx.group, ctx.world, ctx.tag = inputs
     ctx.x_numel = x.numel()
 
 
@@ -191,11 +203,17 @@ def _broadcast_backward(ctx, grad):
     g = reduce(grad, ctx.src, ctx.group, ctx.world, ctx.tag)
     if g.numel() != ctx.x_numel:
         g = g.new_zeros(ctx.x_numel)
-    return None, g, None, None, None, None, None
+    return g, None, None, None, None, None
 
 
 torch.library.register_autograd(
-    "tspc::broadcast_wait", _broadcast_backward, setup_context=_broadcast_setup
+    "tspc::broadcast_start", _broadcast_backward, setup_context=_broadcast_setup
+)
+
+_define_wait(
+    "broadcast_wait",
+    "(Tensor pending, Tensor x, int src, int numel, str group, int world, str tag) -> Tensor",
+    lambda pending, x, src, numel, group, world, tag: _wait(pending),
 )
 
 # --------------------------------------------------------------------------- reduce
@@ -203,66 +221,33 @@ torch.library.register_autograd(
 
 @torch.library.custom_op("tspc::reduce_start", mutates_args=())
 def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) -> torch.Tensor:
+    """Sum ``x`` over the ranks into ``dst`` (fp32 for 16-bit values). The other ranks'
+    result is zeros: they hold no gradient for this shard, and some backends leave partial
+    sums in their scratch buffer (kept alive by the Work until the wait)."""
     pg = process_group(group)
     buf = _accumulation_copy(x)
     is_dst = dist.get_rank(pg) == dst
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
     _count("reduce", tag, buf, world, is_dst)
-
-    def finish():
-        # Non-destination ranks hold no gradient for this shard: return zeros, not the
-        # partially reduced scratch that some backends leave in the buffer.
-        out = buf if is_dst else buf.zero_()
-        return out.to(x.dtype)
-
-    return _register([work], finish, "reduce", tag, (x,))
+    out = buf if is_dst else torch.zeros_like(buf)
+    return _pending(out, [work], "reduce", tag, (x, buf))
 
 
-reduce_start.register_fake(lambda x, dst, group, world, tag: _handle_fake(x))
+reduce_start.register_fake(
+    lambda x, dst, group, world, tag: x.new_empty(x.shape, dtype=_wire_dtype(x))
+)
 
-
-@torch.library.custom_op("tspc::reduce_wait", mutates_args=())
-def reduce_wait(
-    handle: torch.Tensor, x: torch.Tensor, dst: int, group: str, world: int, tag: str
-) -> torch.Tensor:
-    return _complete(handle)
-
-
-reduce_wait.register_fake(
-    lambda handle, x, dst, group, world, tag: torch.empty_like(
-        x, memory_format=torch.contiguous_format
-    )
+_define_wait(
+    "reduce_wait",
+    "(Tensor pending, Tensor x, int dst, str group, int world, str tag) -> Tensor",
+    lambda pending, x, dst, group, world, tag: _wait(pending).to(x.dtype),
 )
 
 # --------------------------------------------------------------------------- zigzag all-gather
 
 
-def _gathered_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim % x.dim()] *= world
-    return shape
-
-
 @torch.library.custom_op("tspc::all_gather_start", mutates_args=())
 def all_gather_start(
-    x: torch.Tensor, dim: int, outer: int, inner: int, group: str, world: int, tag: str
-) -> torch.Tensor:
-    pg = process_group(group)
-    xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
-    out = xc.new_empty((world, *x.shape))
-    work = dist.all_gather_single(out, xc, group=pg, async_op=True)
-    _count("all_gather", tag, xc, world)
-    return _register(
-        [work], lambda: zigzag_unshard(out, dim, world, outer, inner), "all_gather", tag, (x, xc)
-    )
-
-
-all_gather_start.register_fake(lambda x, dim, outer, inner, group, world, tag: _handle_fake(x))
-
-
-@torch.library.custom_op("tspc::all_gather_wait", mutates_args=())
-def all_gather_wait(
-    handle: torch.Tensor,
     x: torch.Tensor,
     dim: int,
     outer: int,
@@ -272,78 +257,74 @@ def all_gather_wait(
     world: int,
     tag: str,
 ) -> torch.Tensor:
-    return _complete(handle)
+    """Gather every rank's ``x`` into ``[D, *x.shape]`` (the wait puts it in token order)."""
+    pg = process_group(group)
+    xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
+    out = xc.new_empty((world, *x.shape))
+    work = dist.all_gather_single(out, xc, group=pg, async_op=True)
+    _count("all_gather", tag, xc, world)
+    return _pending(out, [work], "all_gather", tag, (x, xc))
 
 
-all_gather_wait.register_fake(
-    lambda handle, x, dim, outer, inner, reduce_grad, group, world, tag: x.new_empty(
-        _gathered_shape(x, dim, world)
-    )
+all_gather_start.register_fake(
+    lambda x, dim, outer, inner, reduce_grad, group, world, tag: x.new_empty((world, *x.shape))
 )
 
 
 def _all_gather_setup(ctx, inputs, output):
-    _, x, ctx.dim, ctx.outer, ctx.inner, ctx.reduce_grad, ctx.group, ctx.world, ctx.tag = inputs
+    x, _, _, _, ctx.reduce_grad, ctx.group, ctx.world, ctx.tag = inputs
+    ctx.x_dtype = x.dtype
 
 
 def _all_gather_backward(ctx, grad):
+    # ``grad``: [D, *local], every rank's part (the wait's zigzag reordering differentiates
+    # as the plain tensor ops it is).
     if ctx.reduce_grad:
         # Gradients of replicated values are partial sums over ranks (see passes/layout.py):
-        # the true gradient of my tokens is the sum over ranks of my slice.
-        g = reduce_scatter(grad, ctx.dim, ctx.outer, ctx.inner, ctx.group, ctx.world, ctx.tag)
+        # the true gradient of my tokens is the sum over ranks of my part.
+        g = reduce_scatter_parts(grad, ctx.group, ctx.world, ctx.tag)
     else:
         # Every rank holds the same, complete gradient (user code after an output gather).
-        rank = dist.get_rank(process_group(ctx.group))
-        g = zigzag_slice(grad, ctx.dim, rank, ctx.world, ctx.outer, ctx.inner)
-    return None, g, None, None, None, None, None, None, None
+        g = grad[dist.get_rank(process_group(ctx.group))]
+    return g.to(ctx.x_dtype), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
-    "tspc::all_gather_wait", _all_gather_backward, setup_context=_all_gather_setup
+    "tspc::all_gather_start", _all_gather_backward, setup_context=_all_gather_setup
 )
 
-# --------------------------------------------------------------------------- zigzag reduce-scatter
+_define_wait(
+    "all_gather_wait",
+    "(Tensor pending, Tensor x, int dim, int outer, int inner, bool reduce_grad, str group, "
+    "int world, str tag) -> Tensor",
+    lambda pending, x, dim, outer, inner, reduce_grad, group, world, tag: zigzag_unshard(
+        _wait(pending), dim, world, outer, inner
+    ),
+)
 
-
-def _scattered_shape(x: torch.Tensor, dim: int, world: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim % x.dim()] //= world
-    return shape
+# --------------------------------------------------------------------------- reduce-scatter
 
 
 @torch.library.custom_op("tspc::reduce_scatter_start", mutates_args=())
-def reduce_scatter_start(
-    x: torch.Tensor, dim: int, outer: int, inner: int, group: str, world: int, tag: str
-) -> torch.Tensor:
+def reduce_scatter_start(x: torch.Tensor, group: str, world: int, tag: str) -> torch.Tensor:
+    """Sum ``x`` = ``[D, *part]`` over the ranks; rank r receives the sum of part r, as
+    ``[1, *part]`` (fp32 for 16-bit values)."""
     pg = process_group(group)
-    parts = _accumulation_copy(zigzag_stack_parts(x, dim, world, outer, inner))
+    parts = _accumulation_copy(x)
     out = parts.new_empty((1, *parts.shape[1:]))
     work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
     _count("reduce_scatter", tag, out, world)
-    return _register([work], lambda: out[0].to(x.dtype), "reduce_scatter", tag, (x, parts))
+    return _pending(out, [work], "reduce_scatter", tag, (x, parts))
 
 
-reduce_scatter_start.register_fake(lambda x, dim, outer, inner, group, world, tag: _handle_fake(x))
+reduce_scatter_start.register_fake(
+    lambda x, group, world, tag: x.new_empty((1, *x.shape[1:]), dtype=_wire_dtype(x))
+)
 
-
-@torch.library.custom_op("tspc::reduce_scatter_wait", mutates_args=())
-def reduce_scatter_wait(
-    handle: torch.Tensor,
-    x: torch.Tensor,
-    dim: int,
-    outer: int,
-    inner: int,
-    group: str,
-    world: int,
-    tag: str,
-) -> torch.Tensor:
-    return _complete(handle)
-
-
-reduce_scatter_wait.register_fake(
-    lambda handle, x, dim, outer, inner, group, world, tag: x.new_empty(
-        _scattered_shape(x, dim, world)
-    )
+_define_wait(
+    "reduce_scatter_wait",
+    "(Tensor pending, Tensor x, str group, int world, str tag) -> Tensor",
+    lambda pending, x, group, world, tag: _wait(pending)[0].to(x.dtype),
 )
 
 # --------------------------------------------------------------------------- ring hop (p2p)
@@ -363,23 +344,17 @@ def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) ->
     ]
     works = dist.batch_isend_irecv(ops)
     _count("ring", tag, xc, world)
-    return _register(works, lambda: buf, "ring", tag, (x, xc))
+    return _pending(buf, works, "ring", tag, (x, xc))
 
 
-ring_start.register_fake(lambda x, shift, group, world, tag: _handle_fake(x))
+ring_start.register_fake(
+    lambda x, shift, group, world, tag: torch.empty_like(x, memory_format=torch.contiguous_format)
+)
 
-
-@torch.library.custom_op("tspc::ring_wait", mutates_args=())
-def ring_wait(
-    handle: torch.Tensor, x: torch.Tensor, shift: int, group: str, world: int, tag: str
-) -> torch.Tensor:
-    return _complete(handle)
-
-
-ring_wait.register_fake(
-    lambda handle, x, shift, group, world, tag: torch.empty_like(
-        x, memory_format=torch.contiguous_format
-    )
+_define_wait(
+    "ring_wait",
+    "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor",
+    lambda pending, x, shift, group, world, tag: _wait(pending),
 )
 
 # --------------------------------------------------------------------------- all-reduce
@@ -394,87 +369,96 @@ def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str)
     buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
     _count("all_reduce", tag, buf, world)
-    return _register([work], lambda: buf.to(x.dtype), "all_reduce", tag, (x,))
+    return _pending(buf, [work], "all_reduce", tag, (x,))
 
 
-all_reduce_start.register_fake(lambda x, op, group, world, tag: _handle_fake(x))
-
-
-@torch.library.custom_op("tspc::all_reduce_wait", mutates_args=())
-def all_reduce_wait(
-    handle: torch.Tensor, x: torch.Tensor, op: str, group: str, world: int, tag: str
-) -> torch.Tensor:
-    return _complete(handle)
-
-
-all_reduce_wait.register_fake(
-    lambda handle, x, op, group, world, tag: torch.empty_like(
-        x, memory_format=torch.contiguous_format
+all_reduce_start.register_fake(
+    lambda x, op, group, world, tag: x.new_empty(
+        x.shape, dtype=_wire_dtype(x) if op == "sum" else x.dtype
     )
 )
 
 
 def _all_reduce_setup(ctx, inputs, output):
-    _, _, ctx.op, ctx.group, ctx.world, ctx.tag = inputs
+    x, ctx.op, ctx.group, ctx.world, ctx.tag = inputs
+    ctx.x_dtype = x.dtype
 
 
 def _all_reduce_backward(ctx, grad):
     if ctx.op != "sum":
         raise RuntimeError("tspc: only a sum all-reduce is differentiable")
-    return None, all_reduce(grad, "sum", ctx.group, ctx.world, ctx.tag), None, None, None, None
+    g = all_reduce(grad, "sum", ctx.group, ctx.world, ctx.tag).to(ctx.x_dtype)
+    return g, None, None, None, None
 
 
 torch.library.register_autograd(
-    "tspc::all_reduce_wait", _all_reduce_backward, setup_context=_all_reduce_setup
+    "tspc::all_reduce_start", _all_reduce_backward, setup_context=_all_reduce_setup
 )
 
-_side_effectful(
-    torch.ops.tspc.broadcast_start,
-    torch.ops.tspc.broadcast_wait,
-    torch.ops.tspc.reduce_start,
-    torch.ops.tspc.reduce_wait,
-    torch.ops.tspc.all_gather_start,
-    torch.ops.tspc.all_gather_wait,
-    torch.ops.tspc.reduce_scatter_start,
-    torch.ops.tspc.reduce_scatter_wait,
-    torch.ops.tspc.ring_start,
-    torch.ops.tspc.ring_wait,
-    torch.ops.tspc.all_reduce_start,
-    torch.ops.tspc.all_reduce_wait,
+_define_wait(
+    "all_reduce_wait",
+    "(Tensor pending, Tensor x, str op, str group, int world, str tag) -> Tensor",
+    lambda pending, x, op, group, world, tag: _wait(pending).to(x.dtype),
 )
 
-# start op -> its wait op, for the scheduler and the reports
-START_TO_WAIT = {
-    torch.ops.tspc.broadcast_start.default: torch.ops.tspc.broadcast_wait.default,
-    torch.ops.tspc.reduce_start.default: torch.ops.tspc.reduce_wait.default,
-    torch.ops.tspc.all_gather_start.default: torch.ops.tspc.all_gather_wait.default,
-    torch.ops.tspc.reduce_scatter_start.default: torch.ops.tspc.reduce_scatter_wait.default,
-    torch.ops.tspc.ring_start.default: torch.ops.tspc.ring_wait.default,
-    torch.ops.tspc.all_reduce_start.default: torch.ops.tspc.all_reduce_wait.default,
+_STARTS = {
+    torch.ops.tspc.broadcast_start.default: ("broadcast", torch.ops.tspc.broadcast_wait.default),
+    torch.ops.tspc.reduce_start.default: ("reduce", torch.ops.tspc.reduce_wait.default),
+    torch.ops.tspc.all_gather_start.default: ("all_gather", torch.ops.tspc.all_gather_wait.default),
+    torch.ops.tspc.reduce_scatter_start.default: (
+        "reduce_scatter",
+        torch.ops.tspc.reduce_scatter_wait.default,
+    ),
+    torch.ops.tspc.ring_start.default: ("ring", torch.ops.tspc.ring_wait.default),
+    torch.ops.tspc.all_reduce_start.default: ("all_reduce", torch.ops.tspc.all_reduce_wait.default),
 }
-START_KIND = {
-    torch.ops.tspc.broadcast_start.default: "broadcast",
-    torch.ops.tspc.reduce_start.default: "reduce",
-    torch.ops.tspc.all_gather_start.default: "all_gather",
-    torch.ops.tspc.reduce_scatter_start.default: "reduce_scatter",
-    torch.ops.tspc.ring_start.default: "ring",
-    torch.ops.tspc.all_reduce_start.default: "all_reduce",
-}
+_WAIT_TENSOR = wait_tensor_op()
+
+for _op in (*_STARTS, *(w for _, w in _STARTS.values()), _WAIT_TENSOR):
+    # A wait whose result is unused must still run: it pops the Work from torch's registry.
+    torch.fx.node.has_side_effect(_op)
+
+# start op -> its wait op in the graphs tspc's passes build (aot_autograd traces that wait
+# into ``wait_tensor`` and layout ops), and start op -> the collective's kind
+START_TO_WAIT = {start: wait for start, (_, wait) in _STARTS.items()}
+START_KIND = {start: kind for start, (kind, _) in _STARTS.items()}
 WAIT_OPS = frozenset(START_TO_WAIT.values())
 
 
 def is_transfer_start(node) -> bool:
-    """An FX node that starts one of tspc's collectives (its wait is ``START_TO_WAIT``)."""
+    """An FX node that starts one of tspc's collectives."""
     return node.op == "call_function" and node.target in START_KIND
 
 
 def is_transfer_wait(node) -> bool:
-    return node.op == "call_function" and node.target in WAIT_OPS
+    """A node that completes one: a ``tspc::<kind>_wait`` (graphs of tspc's passes) or the
+    ``wait_tensor`` of a tspc start (the forward / backward graphs aot_autograd traces)."""
+    if node.op != "call_function":
+        return False
+    if node.target in WAIT_OPS:
+        return True
+    return (
+        node.target is _WAIT_TENSOR
+        and isinstance(node.args[0], torch.fx.Node)
+        and is_transfer_start(node.args[0])
+    )
 
 
 def is_transfer(node) -> bool:
     """The one predicate for "this node is a collective" (a start or a wait) in a graph."""
     return is_transfer_start(node) or is_transfer_wait(node)
+
+
+def wait_of(start) -> torch.fx.Node | None:
+    """The node that completes the transfer ``start`` issues (None if the graph has none)."""
+    return next((u for u in start.users if is_transfer_wait(u)), None)
+
+
+def lower_for_inductor() -> None:
+    """Inductor lowers every tspc start as a collective kernel (``compat``'s
+    ``lower_as_inductor_collective``); idempotent."""
+    for op in START_KIND:
+        lower_as_inductor_collective(op)
 
 
 # --------------------------------------------------------------------------- synchronous helpers
@@ -493,13 +477,20 @@ def reduce(x, dst, group, world, tag):
 
 
 def all_gather(x, dim, outer, inner, reduce_grad, group, world, tag):
-    h = torch.ops.tspc.all_gather_start(x, dim, outer, inner, group, world, tag)
+    h = torch.ops.tspc.all_gather_start(x, dim, outer, inner, reduce_grad, group, world, tag)
     return torch.ops.tspc.all_gather_wait(h, x, dim, outer, inner, reduce_grad, group, world, tag)
 
 
+def reduce_scatter_parts(parts, group, world, tag):
+    """Rank r gets the sum over ranks of ``parts[r]`` (``parts``: ``[D, *part]``)."""
+    h = torch.ops.tspc.reduce_scatter_start(parts, group, world, tag)
+    return torch.ops.tspc.reduce_scatter_wait(h, parts, group, world, tag)
+
+
 def reduce_scatter(x, dim, outer, inner, group, world, tag):
-    h = torch.ops.tspc.reduce_scatter_start(x, dim, outer, inner, group, world, tag)
-    return torch.ops.tspc.reduce_scatter_wait(h, x, dim, outer, inner, group, world, tag)
+    """The adjoint of the zigzag all-gather: rank r gets the sum over ranks of its zigzag
+    part of ``x`` along ``dim``."""
+    return reduce_scatter_parts(zigzag_stack_parts(x, dim, world, outer, inner), group, world, tag)
 
 
 def ring_hop(x, shift, group, world, tag):

@@ -163,6 +163,39 @@ def global_state_snapshot():
     return GlobalStateGuard()
 
 
+def register_work(tensor: torch.Tensor, work) -> None:
+    """Put ``work`` in torch's registry of in-flight collectives, under ``tensor``'s storage:
+    ``wait_tensor(tensor)`` then waits it (``torch._C._distributed_c10d._register_work``,
+    what torch's functional collectives do; private in 2.13)."""
+    torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def work_registry_size() -> int:
+    """How many Works torch's registry holds (registered, not yet waited): 0 after a step
+    whose every collective was waited (private in torch 2.13)."""
+    return torch._C._distributed_c10d._get_work_registry_size()
+
+
+def wait_tensor_op():
+    """``_c10d_functional::wait_tensor``: completes every Work registered under a tensor and
+    returns the tensor. aot_autograd, Inductor and the profiler know it as a collective's wait
+    (a private operator namespace in torch 2.13)."""
+    return torch.ops._c10d_functional.wait_tensor.default
+
+
+def lower_as_inductor_collective(op) -> None:
+    """Have Inductor lower ``op`` (returns a new buffer that a collective writes until its
+    ``wait_tensor``) as its own out-of-place collective kernel (``_CollectiveKernel``):
+    ``_WaitKernel.get_volatile_reads`` then keeps the op's input buffer from being reused
+    before the wait, while the network may still read it. Private Inductor API in 2.13."""
+    from torch._inductor.comm_lowering import _create_out_of_place
+    from torch._inductor.lowering import lowerings, register_lowering
+
+    if op in lowerings:
+        return
+    register_lowering(op)(lambda inp, *args: _create_out_of_place(op, inp, *args))
+
+
 def optimized_module_class() -> type:
     """The class of ``torch.compile(module)``'s wrapper (``OptimizedModule``, in a private
     Dynamo module in torch 2.13): ``generate`` finds the user's model behind it."""

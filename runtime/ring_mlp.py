@@ -139,7 +139,7 @@ class RingMLP(torch.autograd.Function):
             w_cur = torch.ops.tspc.ring_wait(
                 torch.ops.tspc.ring_start(own, -1, group, world, tag), own, -1, group, world, tag
             )
-        acc_in = None  # handle of the accumulator arriving from p+1
+        acc_in = None  # the accumulator arriving from p+1 (its buffer, until its wait)
         acc_out = None
         dx = None
         grad_own = None

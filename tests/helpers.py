@@ -42,10 +42,16 @@ def capture(model, *inputs, **kwargs):
 
 
 def count_collectives(gm: fx.GraphModule) -> Counter:
-    """{(op name, tag): count} for every tspc op in a graph."""
+    """{(op name, tag): count} for every tspc op in a graph; the ``wait_tensor`` of a tspc
+    start (what a tspc wait becomes in a traced graph) counts as that start's wait op."""
+    from tspc.runtime.comm import START_TO_WAIT, is_transfer_wait
+
     c: Counter = Counter()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "tspc":
+        if is_transfer_wait(n) and n.target not in START_TO_WAIT.values():
+            start = n.args[0]
+            c[(START_TO_WAIT[start.target]._opname, start.args[-1])] += 1
+        elif n.op == "call_function" and getattr(n.target, "namespace", None) == "tspc":
             name = n.target._opname
             tag = n.args[-1] if isinstance(n.args[-1], str) else ""
             c[(name, tag)] += 1
@@ -203,12 +209,13 @@ def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
     A transfer is found in the code by its op and its constant arguments (the head group or
     ring shift, the size, the group, the tag: ``..._start.default(<tensor>, 1, 1536, '0', 2,
     'layers.0.attn')``), the k-th of equal ones in the code being the k-th in the graph, and
-    its wait by the handle variable the start's result is bound to."""
+    its wait by the buffer the start's result is bound to (``wait_tensor(<buffer>)``: a start
+    returns the buffer its transfer lands in, ``runtime/comm.py``)."""
     import re
 
     from torch.testing import FileCheck
 
-    from tspc.runtime.comm import START_KIND, WAIT_OPS
+    from tspc.runtime.comm import START_KIND, wait_of
 
     compute = _overlap_compute()
     marked = _mark_gemms(code)
@@ -225,7 +232,7 @@ def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
     for start in nodes:
         if start.op != "call_function" or start.target not in START_KIND:
             continue
-        (wait,) = [u for u in start.users if u.target in WAIT_OPS]
+        wait = wait_of(start)
         overlapped = [
             compute[n.target]
             for n in nodes[order[start] + 1 : order[wait]]
@@ -241,10 +248,10 @@ def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
         ]
         line = matches[seen[signature]]
         seen[signature] += 1
-        handle = line.split(" = ", 1)[0]
-        while handle in aliases:
-            handle = aliases[handle]
-        wait_call = f"torch.ops.tspc.{wait.target._opname}.default({handle},"
+        buffer = line.split(" = ", 1)[0]
+        while buffer in aliases:
+            buffer = aliases[buffer]
+        wait_call = f"torch.ops._c10d_functional.wait_tensor.default({buffer})"
         fc = FileCheck().check(line)
         for c in overlapped:
             fc = fc.check(c)

@@ -12,6 +12,8 @@ import torch
 from samples.reference_model import build_reference_model
 from tests.helpers import compile_reference_step, count_collectives
 from tspc.backend import COMPILED
+from tspc.passes.schedule import is_view_or_pack
+from tspc.runtime.comm import is_transfer, is_transfer_wait
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
@@ -76,6 +78,22 @@ def test_backward_restreams_weights_and_routes_gradients_to_owners(world, fake_g
     assert replicated <= set(per_tag(c, "all_reduce_start"))
 
 
+def _transfer_waits_read(n):
+    """The transfer waits whose results ``n`` reads, directly or through views and the
+    zigzag reordering of a gathered buffer (narrow / cat / view)."""
+    out, stack, seen = [], list(n.all_input_nodes), set()
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if is_transfer_wait(a):
+            out.append(a)
+        elif is_view_or_pack(a):
+            stack.extend(a.all_input_nodes)
+    return out
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_forward_saves_no_broadcast_weights_nor_gathered_kv(world, fake_group):
     cg = compile_and_run(world, 0, fake_group, num_kv_heads=4)
@@ -83,16 +101,15 @@ def test_forward_saves_no_broadcast_weights_nor_gathered_kv(world, fake_group):
     output = next(n for n in fwd.graph.nodes if n.op == "output")
     produced_by_transfer = set()
     for n in fwd.graph.nodes:
-        is_tspc = n.op == "call_function" and getattr(n.target, "namespace", None) == "tspc"
-        if is_tspc and n.target._opname.endswith("_wait"):
+        if is_transfer_wait(n):
             produced_by_transfer.add(n)
-    # follow views of transferred buffers
+    # follow views of transferred buffers (and the zigzag reordering of gathered ones)
     frontier = list(produced_by_transfer)
     while frontier:
         n = frontier.pop()
         for u in n.users:
             is_view = u.op == "call_function" and any(
-                k in str(u.target) for k in ("view", "slice", "getitem", "t.default")
+                k in str(u.target) for k in ("view", "slice", "getitem", "t.default", "cat")
             )
             if is_view and u not in produced_by_transfer:
                 produced_by_transfer.add(u)
@@ -141,10 +158,9 @@ def test_schedule_requests_next_weights_before_current_compute(fake_group):
             if n.op == "call_function"
             and str(n.target) == "tspc.zigzag_causal_attention.default"
             and any(
-                a.op == "call_function"
-                and str(a.target) == "tspc.all_gather_wait.default"
-                and a.args[-1] == tag
-                for a in n.all_input_nodes
+                w.args[0].target is torch.ops.tspc.all_gather_start.default
+                and w.args[0].args[-1] == tag
+                for w in _transfer_waits_read(n)
             )
         ]
         assert len(starts) == world and len(kernels) == world
@@ -155,7 +171,7 @@ def test_schedule_requests_next_weights_before_current_compute(fake_group):
     # collectives (later waits, the next transfer issued as soon as this one arrived) and the
     # packing of this rank's own shards that such a transfer sends (copies of parameters).
     def is_collective(b):
-        return str(b.target).endswith(("_wait.default", "_start.default"))
+        return is_transfer(b)
 
     def packs_parameters(b):
         if b.op == "placeholder":
@@ -165,7 +181,7 @@ def test_schedule_requests_next_weights_before_current_compute(fake_group):
         )
 
     for n in nodes:
-        if n.op == "call_function" and str(n.target).endswith("_wait.default") and n.users:
+        if is_transfer_wait(n) and n.users:
             first = min(n.users, key=pos.__getitem__)
             between = nodes[pos[n] + 1 : pos[first]]
             assert all(is_collective(b) or packs_parameters(b) for b in between), (

@@ -17,6 +17,7 @@ def inductor_worker(rank: int, world: int) -> dict:
     import tspc
     from samples.reference_model import build_reference_model
     from tspc.backend import COMPILED
+    from tspc.runtime.compat import work_registry_size
     from tspc.runtime.counters import COUNTER
 
     torch._dynamo.reset()
@@ -45,8 +46,13 @@ def inductor_worker(rank: int, world: int) -> dict:
         # last head group's weight wait up to right after its broadcast's start
         lines = aot.forward_inductor_code[0].splitlines()
         start = max(i for i, ln in enumerate(lines) if "tspc.broadcast_start.default(" in ln)
-        wait = max(i for i, ln in enumerate(lines) if "tspc.broadcast_wait.default(" in ln)
-        lines.insert(start + 2, lines.pop(wait))  # after the start and its handle's binding
+        buffer = lines[start].split(" = ", 1)[0].strip()
+        wait = next(
+            i
+            for i, ln in enumerate(lines)
+            if f"_c10d_functional.wait_tensor.default({buffer})" in ln
+        )
+        lines.insert(start + 1, lines.pop(wait))  # right after the start's line
         try:
             check_transfers_keep_overlap(aot.forward_gms[0], "\n".join(lines))
             moved_wait_caught = False
@@ -61,6 +67,8 @@ def inductor_worker(rank: int, world: int) -> dict:
         "recv": COUNTER.total_recv(),
         "code": aot.forward_inductor_code + aot.backward_inductor_code,
         "overlapping": overlapping,
+        # every transfer's Work was waited (torch's registry holds none after the step)
+        "pending_works": work_registry_size(),
     }
 
 
@@ -83,3 +91,8 @@ def test_inductor_inner_matches_one_process(world):
             assert forward_overlaps >= 4 and backward_overlaps >= 4, r["overlapping"]
             assert r["moved_wait_caught"]
             assert "tspc.reduce_start" in bwd and "tspc.reduce_scatter_start" in bwd
+            # waits are torch's own: no tspc handle table, Inductor sees wait_tensor
+            for code in (fwd, bwd):
+                assert "torch.ops._c10d_functional.wait_tensor.default(" in code
+                assert "tspc.broadcast_wait" not in code and "tspc.ring_wait" not in code
+        assert r["pending_works"] == 0, r["pending_works"]

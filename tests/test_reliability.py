@@ -149,6 +149,30 @@ def peer_worker(rank: int, world: int, mode: str) -> dict:
     return {"hung": False}
 
 
+def test_a_failed_transfer_is_raised_by_wait_tensor_naming_it_and_leaves_no_work():
+    # The Work a start registers in torch's registry (runtime/comm.py), failing as gloo's does
+    # when a peer is gone: torch's own wait_tensor raises tspc's error, naming the collective
+    # and the layer, and the registry no longer holds the Work.
+    import torch.distributed as dist
+
+    import tspc
+    from tspc.runtime import comm
+    from tspc.runtime.compat import register_work, work_registry_size
+
+    class GoneWork(dist.Work):
+        def wait(self, timeout=None):
+            raise RuntimeError("Connection closed by peer")
+
+    before = work_registry_size()
+    buf = torch.empty(4)
+    with comm.timeout_scope(3.0):
+        register_work(buf, comm._TransferWork([GoneWork()], "ring", "layers.1.mlp", (), True))
+    assert work_registry_size() == before + 1
+    with pytest.raises(tspc.CollectiveTimeout, match=r"ring for 'layers.1.mlp' .* within 3s"):
+        torch.ops._c10d_functional.wait_tensor(buf)
+    assert work_registry_size() == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["die", "stall"])
 def test_dead_or_stalled_peer_raises_naming_the_collective_and_layer(mode):

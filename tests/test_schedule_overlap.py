@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from tests.helpers import compile_reference_step
 from tspc.graph_comm import read_schedule
-from tspc.passes.schedule import is_heavy, transfers
+from tspc.passes.schedule import is_heavy, is_view_or_pack, transfers
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
@@ -51,7 +51,8 @@ def _positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
 
 
 def _data_users(node: fx.Node) -> list[fx.Node]:
-    """Users of ``node``'s buffer, looking through views (the buffer's readers)."""
+    """Users of ``node``'s buffer, looking through views and packing copies (the buffer's
+    readers; a gathered buffer reaches attention through its zigzag reordering's ``cat``)."""
     out, stack, seen = [], [node], set()
     while stack:
         n = stack.pop()
@@ -61,7 +62,7 @@ def _data_users(node: fx.Node) -> list[fx.Node]:
             seen.add(u)
             out.append(u)
             is_call = u.op == "call_function"
-            if is_call and (getattr(u.target, "is_view", False) or u.target is operator.getitem):
+            if is_call and (is_view_or_pack(u) or u.target is operator.getitem):
                 stack.append(u)
     return out
 

@@ -2,7 +2,8 @@
 
 Reads any FX graph that uses the tspc collectives (``runtime/comm.py``): the pipeline's graphs
 and the forward / backward graphs aot_autograd produces. A transfer is a ``tspc::<kind>_start``
-node and the ``_wait`` node that consumes its handle; the nodes issued between the two are the
+node and the wait that consumes the buffer it returns (``tspc::<kind>_wait`` in the pipeline's
+graphs, ``_c10d_functional.wait_tensor`` in traced ones); the nodes issued between the two are the
 compute the transfer overlaps. Nothing here runs the graph: sizes come from each start input's
 fake value (``node.meta['val']``).
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from tspc.runtime.comm import START_KIND, START_TO_WAIT, is_transfer_start, is_transfer_wait
+from tspc.runtime.comm import START_KIND, is_transfer_start, is_transfer_wait, wait_of
 from tspc.runtime.compat import OpOverload
 from tspc.runtime.counters import KINDS, message_bytes, received_and_sent
 
@@ -208,8 +209,10 @@ def read_schedule(gm: fx.GraphModule, rank: int, label: str) -> GraphSchedule:
             continue
         role = _role(n)
         tag = ""
-        if role in ("start", "wait"):
+        if role == "start":
             tag = _bind(n).get("tag", "")
+        elif role == "wait":  # a traced graph's wait_tensor has no tag: its start's
+            tag = _bind(n.args[0]).get("tag", "")
         if role == "wait":
             context = tag
         pos_of[n] = len(steps)
@@ -232,8 +235,7 @@ def read_schedule(gm: fx.GraphModule, rank: int, label: str) -> GraphSchedule:
         kind = START_KIND[s.target]
         args = _bind(s)
         fake_args = {k: (_fake(v) if isinstance(v, fx.Node) else v) for k, v in args.items()}
-        wait_op = START_TO_WAIT[s.target]
-        wait = next((u for u in s.users if u.op == "call_function" and u.target is wait_op), None)
+        wait = wait_of(s)
         lo = pos_of[s]
         hi = pos_of[wait] if wait is not None else lo
         between = [st for st in steps[lo + 1 : hi] if st.role == "compute"]

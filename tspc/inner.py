@@ -6,7 +6,8 @@
   in backward rather than save their results, so neither a layer's full weights nor the full
   K/V are kept alive between forward and backward (``tsp_partition``).
 * ``inductor`` — the same, with Inductor compiling the local compute of both graphs; the
-  collectives stay explicit extern calls where the schedule placed them. Left alone, Inductor
+  collectives stay where the schedule placed them: each start an Inductor collective kernel
+  (``runtime/comm.py``'s ``lower_for_inductor``), each wait torch's ``wait_tensor``. Left alone, Inductor
   would undo the schedule: it fuses elementwise kernels of different head groups that read the
   same tables (RoPE's cos/sin), which drags group r+1's projections — and the wait for its
   weights — in front of group r's attention, and it reorders nodes for memory and locality.
@@ -153,6 +154,7 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
 
     if not any(_is_collective(n) for n in g.graph.nodes):
         return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
+    comm.lower_for_inductor()  # the starts as Inductor collective kernels (runtime/comm.py)
     with (
         inductor_config.patch(
             reorder_for_peak_memory=False,

@@ -105,8 +105,8 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 
 
 def _is_tspc(func: Any, suffix: str | tuple[str, ...]) -> bool:
-    # tspc's collectives are start/wait pairs of custom ops (runtime/comm.py); its other
-    # custom ops (the zigzag attention kernel) are compute.
+    # tspc's collectives are start/wait pairs of custom ops (runtime/comm.py; traced, a wait
+    # is torch's wait_tensor); its other custom ops (the zigzag attention kernel) are compute.
     return getattr(func, "namespace", "") == "tspc" and getattr(func, "_opname", "").endswith(
         suffix
     )
@@ -155,7 +155,6 @@ class FakeMemoryTracker(TorchDispatchMode):
         # finalizer, so a resize (new block) and a later death close the right block.
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._op = 0
-        self._handle_start: WeakIdKeyDictionary = WeakIdKeyDictionary()  # handle -> start op
         self._orig_resize: Any = None
         self.ops = 0  # ops seen
         self.collective_ops = 0
@@ -243,18 +242,12 @@ class FakeMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self._op += 1
         self.ops += 1
-        op = born = self._op
+        born = self._op
         collective = _is_collective(func)
         if collective:
             self.collective_ops += 1
-        if _is_tspc(func, "_start"):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._handle_start[t] = op
-        elif _is_tspc(func, "_wait") and isinstance(args[0], torch.Tensor):
-            # The runtime allocates the receive buffer when the transfer is issued, not when
-            # it is waited on (the fake implementations can only create it at the wait).
-            born = self._handle_start.get(args[0], op)
+        # A start returns the buffer the transfer lands in (born when it is issued); its wait
+        # is ``_c10d_functional.wait_tensor`` and plain layout ops (runtime/comm.py).
         kind = "comm" if collective else "other"
         name = str(func)
         for t in tree_leaves(out):  # in-place ops return their input: resizes are seen here
