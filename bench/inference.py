@@ -14,7 +14,7 @@ tokens, batch 1, on CPU gloo processes:
   rowwise o/down; every rank runs the whole prompt, KV cache sharded by heads), eager generate.
 
 Per rank: weights held (bytes of the local tensors), KV cache held after generate, the peak of
-CPU memory allocated during generate above what was resident before it (``tspc.memory.
+CPU memory allocated during generate above what was resident before it (``tspc.tools.memory.
 MemoryTracker``: activations, cache and communication buffers), prefill time (the model's first
 call in a generate) and decode tokens/s (its other calls, one token each). Speed runs without the
 tracker (the profiler under it costs time); a short warm-up generate compiles first.
@@ -35,27 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.generate_tsp import build  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
-
-
-def build(args: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        vocab_size=args["vocab"],
-        hidden_size=args["hidden"],
-        intermediate_size=args["intermediate"],
-        num_hidden_layers=args["layers"],
-        num_attention_heads=args["heads"],
-        num_key_value_heads=args["kv_heads"],
-        max_position_embeddings=args["prompt"] + args["new"] + 8,
-        pad_token_id=0,
-        use_cache=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def _tp(model, world: int):
@@ -98,7 +79,7 @@ def _cache_bytes(cache) -> int:
 
 
 def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
-    from tspc.memory import MemoryTracker
+    from tspc.tools.memory import MemoryTracker
 
     torch.set_num_threads(1)
     model = build(args)

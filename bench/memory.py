@@ -260,7 +260,7 @@ def _optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Optimizer:
 def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     """One rank's measured step (a ``spawn`` worker: returns plain data)."""
     import tspc
-    from tspc.tools.measure import is_matched_param, shards_of
+    from tspc.tools.measure import is_matched_param, measured_step, shards_of, warm_up
     from tspc.tools.memory import MemoryTracker, breakdown, storage_bytes
 
     torch.manual_seed(0)
@@ -269,26 +269,12 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     with MemoryTracker() as tracker:  # before anything is built: everything is seen
         ids, targets = _data(job.config)
         model, step = _build(job)
-        optimizer = None
-        for _ in range(WARMUP_STEPS):
-            if job.mode == "train":
-                step(ids, targets).backward()
-                if optimizer is None:  # after the first call: the shards exist now
-                    optimizer = _optimizer(job, model)
-                optimizer.step()  # the first creates the AdamW moments
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                with torch.no_grad():
-                    step(ids, targets)
+        optimizer = warm_up(
+            step, ids, targets, job.mode, WARMUP_STEPS, lambda: _optimizer(job, model)
+        )
         t1 = time.perf_counter()
         tracker.reset_peak()  # the window starts at everything held now
-        if job.mode == "train":
-            loss = step(ids, targets)
-            loss.backward()
-            optimizer.step()
-        else:
-            with torch.no_grad():
-                loss = step(ids, targets)
+        loss = measured_step(step, ids, targets, job.mode, optimizer)
         t2 = time.perf_counter()
         shards = shards_of(model)
         result = breakdown(model, optimizer, extra_params=shards, tracker=tracker)

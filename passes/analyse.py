@@ -21,6 +21,7 @@ import torch.fx as fx
 from tspc.runtime.compat import FakeTensorMode
 
 from .graph_utils import node_module_fqn, placeholder_fqn
+from .value_rules import VALUE_RULES
 
 
 @dataclass
@@ -98,17 +99,6 @@ def _value_key(v: Any) -> Any:
     return (type(v).__name__, id(v))  # anything else: changed unless it is the same object
 
 
-_VALUE_RULES: dict[Any, Any] = {}
-
-
-def register_value_rule(target: Any, rule: Any) -> None:
-    """Give ``propagate_shapes`` the fake value of calls to ``target`` without running it:
-    ``rule(*args, **kwargs)`` gets the fake inputs and returns the output's fake value. For
-    tspc's own opaque callables whose Python body is costly on fake tensors (the MLP ring
-    runs its whole ring); aot_autograd still runs the real body when it traces the graph."""
-    _VALUE_RULES[target] = rule
-
-
 class _FakeProp(fx.Interpreter):
     """Runs the graph on fake tensors, re-running only the nodes whose value may differ from
     the one recorded by the previous propagation in the same mode: new nodes, nodes whose
@@ -134,7 +124,7 @@ class _FakeProp(fx.Interpreter):
         )
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        rule = _VALUE_RULES.get(target)
+        rule = VALUE_RULES.get(target)
         if rule is not None:
             return rule(*args, **kwargs)
         return super().call_function(target, args, kwargs)

@@ -21,23 +21,10 @@ from tspc.runtime.group import TSPGroup
 from tspc.runtime.ring_mlp import register_chain, ring_mlp
 from tspc.runtime.shard_store import ShardSpec
 
-from .analyse import GraphInfo, defer_recompile, register_value_rule
+from .analyse import GraphInfo, defer_recompile
 from .graph_utils import erase_unused, shape, tensor_val
 from .match_mlp import MlpMatch, chain_key, chain_module
 from .shard_inputs import ShardInputs
-
-
-def _ring_mlp_value(x, w_in, b_in, w_down, chain, orient, *rest, **options):
-    """The ring's output metadata: ``x``'s leading dimensions and the down projection's
-    output features, contiguous, in ``x``'s dtype (the ring adds matmul results)."""
-    out = x.new_empty((*x.shape[:-1], w_down.shape[1 if orient[-1] == "t" else 0]))
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *w_in, *b_in, w_down)
-    )
-    return out.requires_grad_(needs_grad)
-
-
-register_value_rule(ring_mlp, _ring_mlp_value)
 
 
 @dataclass

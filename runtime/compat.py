@@ -122,8 +122,8 @@ def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
 def joint_graph_cse(graph):
     """aot_autograd's common-subexpression elimination of a joint graph (``fx_graph_cse``,
     private in 2.13): the min-cut partitioner runs it first, and would merge the copies of a
-    transfer that ``tspc.inner.split_recomputed_transfers`` makes, so tspc runs it before
-    making them and then partitions with ``partitioner_without_cse``."""
+    transfer that ``tspc.passes.aot_graphs.split_recomputed_transfers`` makes, so tspc runs it
+    before making them and then partitions with ``partitioner_without_cse``."""
     from torch._functorch.compile_utils import fx_graph_cse
 
     return fx_graph_cse(graph)

@@ -25,13 +25,15 @@ from tspc.launch import spawn  # noqa: E402
 
 
 def build(args: dict):
+    """A small Llama (random weights, seed 0, eval mode) of ``args``' sizes; ``vocab`` and
+    ``intermediate`` default to 256 and twice ``hidden`` (``bench/inference.py`` sets them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
         "llama",
-        vocab_size=256,
+        vocab_size=args.get("vocab", 256),
         hidden_size=args["hidden"],
-        intermediate_size=2 * args["hidden"],
+        intermediate_size=args.get("intermediate", 2 * args["hidden"]),
         num_hidden_layers=args["layers"],
         num_attention_heads=args["heads"],
         num_key_value_heads=args["kv_heads"],
@@ -44,9 +46,25 @@ def build(args: dict):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
+def formula_bytes_per_token(config, world: int, batch: int, itemsize: int = 4) -> int:
+    """``decode_bytes_per_token`` (``runtime/decode.py``) for a transformers config's sizes."""
+    from tspc.runtime.decode import decode_bytes_per_token
+
+    return decode_bytes_per_token(
+        world=world,
+        batch=batch,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        hidden=config.hidden_size,
+        layers=config.num_hidden_layers,
+        itemsize=itemsize,
+        kv_sharded=config.num_key_value_heads % world == 0,
+    )
+
+
 def run_rank(rank: int, world: int, args: dict) -> dict:
     from tspc.runtime.counters import COUNTER
-    from tspc.runtime.decode import decode_bytes_per_token
     from tspc.runtime.tsp_params import tsp_param_of
 
     reference, model = build(args), build(args)
@@ -74,18 +92,7 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
         if tag.startswith("decode")
         for c in kinds.values()
     )
-    cfg = model.config
-    formula = decode_bytes_per_token(
-        world=world,
-        batch=2,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        hidden=cfg.hidden_size,
-        layers=cfg.num_hidden_layers,
-        itemsize=4,
-        kv_sharded=cfg.num_key_value_heads % world == 0,
-    )
+    formula = formula_bytes_per_token(model.config, world, batch=2)
     matched = sum(
         p.numel() * p.element_size()
         for p in model.parameters()

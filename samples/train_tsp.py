@@ -27,6 +27,16 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
+def train_step(model, opt: torch.optim.Optimizer, ids: torch.Tensor) -> float:
+    """The ordinary step, the same for the compiled model and the reference: returns the loss."""
+    loss = lm_loss(model(ids), ids)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def run_rank(rank: int, world: int, args: dict) -> dict:
 
     kw = {"num_layers": args["layers"], "hidden_size": args["hidden"]}
@@ -43,18 +53,8 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=args["lr"], eps=1e-4)
     losses, ref_losses = [], []
     for ids in batches:
-        loss = lm_loss(model(ids), ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        ref_loss = lm_loss(reference(ids), ids)
-        ref_loss.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        opt_ref.step()
-        opt_ref.zero_grad()
-        ref_losses.append(ref_loss.item())
+        losses.append(train_step(model, opt, ids))
+        ref_losses.append(train_step(reference, opt_ref, ids))
     full = {k: v.full_tensor() for k, v in net.state_dict().items()}  # DTensors, gathered
     diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     owned = sum(p.to_local().numel() for p in net.parameters())

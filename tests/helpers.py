@@ -56,6 +56,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
+def adamw_side_by_side(ref_params, params, ref_loss_fn, loss_fn, steps: int = 3) -> tuple:
+    """``steps`` AdamW steps (lr 1e-3, eps 1e-4) of the one-process model and of the compiled
+    one, the same on both: the first uses the gradients already there, each later one
+    recomputes both losses (``ref_loss_fn()``, ``loss_fn()``) and backpropagates. Returns the
+    two optimizers."""
+    opt_ref = torch.optim.AdamW(ref_params, lr=1e-3, eps=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-4)
+    for step in range(steps):
+        if step:
+            opt_ref.zero_grad()
+            opt.zero_grad()
+            ref_loss_fn().backward()
+            loss_fn().backward()
+        opt_ref.step()
+        opt.step()
+    return opt_ref, opt
+
+
 def grad_error(ref: torch.nn.Module, model: torch.nn.Module) -> tuple[float, dict[str, list]]:
     """Largest relative gradient error of ``model`` (compiled with tspc, after backward) against
     ``ref`` (the same model run in one process), over every parameter. A DTensor parameter's
@@ -118,7 +136,8 @@ def zigzag_against_dense(world: int, n: int, kv_heads: int, key_padding: bool) -
     valid = None
     if key_padding:
         valid = torch.ones(b, n, dtype=torch.bool)
-        valid[0, :3] = False  # rows that see no key
+        valid[0, :3] = False  # left padding: rows that see no key at all
+        valid[1, -3:] = False  # right padding
         mask = mask & valid[:, None, None, :]
     rep = hq // kv_heads
     ref = F.scaled_dot_product_attention(

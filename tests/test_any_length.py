@@ -130,9 +130,26 @@ def _loss_outside(logits, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
+def _backward_against_one_process(loss_ref, loss, ref, model) -> dict:
+    """Both losses' backward; the loss and gradient errors against one process and what the
+    latest compile reported."""
+    import tspc
+
+    loss_ref.backward()
+    loss.backward()
+    err, _ = grad_error(ref, model)
+    rep = tspc.last_report()
+    return {
+        "loss_err": abs(loss.item() - loss_ref.item()),
+        "grad_err": err,
+        "level": rep.level,
+        "matched": len(rep.matched),
+        "notes": rep.notes,
+    }
+
+
 def reference_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Per case: the forward, the loss and every parameter's gradient against one process."""
-    import tspc
     from samples.reference_model import build_reference_model
 
     out = []
@@ -155,21 +172,12 @@ def reference_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
             got = torch.compile(model, backend="tsp")(ids)
             out_err = ((got - expected).abs().max() / expected.abs().max()).item()
             loss_ref, loss = _loss_outside(expected, ids), _loss_outside(got, ids)
-        loss_err = abs(loss.item() - loss_ref.item())
-        loss_ref.backward()
-        loss.backward()
-        err, _ = grad_error(ref, model)
-        rep = tspc.last_report()
         out.append(
             {
                 "case": case,
                 "shape_ok": tuple(got.shape) == tuple(expected.shape),
                 "out_err": out_err,
-                "loss_err": loss_err,
-                "grad_err": err,
-                "level": rep.level,
-                "matched": len(rep.matched),
-                "notes": rep.notes,
+                **_backward_against_one_process(loss_ref, loss, ref, model),
             }
         )
     return out
@@ -252,20 +260,12 @@ def llama_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
         real = mask.bool()
         scale = expected.logits[real].abs().max()
         logits_err = ((got.logits[real] - expected.logits[real]).abs().max() / scale).item()
-        loss_ref.backward()
-        loss.backward()
-        err, _ = grad_error(ref, model)
-        rep = tspc.last_report()
         out.append(
             {
                 "case": case,
                 "logits_err": logits_err,
-                "loss_err": abs(loss.item() - loss_ref.item()),
-                "grad_err": err,
-                "level": rep.level,
-                "matched": len(rep.matched),
-                "masks": [m["recognised"] for m in rep.masks],
-                "notes": rep.notes,
+                **_backward_against_one_process(loss_ref, loss, ref, model),
+                "masks": [m["recognised"] for m in tspc.last_report().masks],
             }
         )
     return out

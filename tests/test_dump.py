@@ -25,7 +25,7 @@ import torch
 
 from tests.helpers import capture, count_collectives
 from tspc.dump import DUMPS
-from tspc.pipeline import PIPELINE
+from tspc.pipeline import AOT_GRAPH_PIPELINE, JOINT_PIPELINE, PIPELINE
 from tspc.tools import cli
 from tspc.tools.dump_cli import load_target
 
@@ -36,8 +36,24 @@ REF_TARGET = f"{REPO / 'samples' / 'reference_model.py'}:build_reference_model"
 WORLD, LAYERS, SEQ, BATCH = 2, 2, 32, 2
 # one file per pass: the captured graph, then the graph after each pass of the pipeline
 PASS_FILES = ["00_captured.py"] + [f"{i:02d}_{p.name}.py" for i, p in enumerate(PIPELINE, 1)]
+
+
+def phase_files(label: str, first: str, passes) -> list[str]:
+    """The inner compiler's graph ``label`` before its phase, then after each of its passes."""
+    return [f"{label}_00_{first}.py"] + [
+        f"{label}_{i:02d}_{p.name}.py" for i, p in enumerate(passes, 1)
+    ]
+
+
+BACKWARD_FILES = {"backward.py", *phase_files("backward", "partitioned", AOT_GRAPH_PIPELINE)}
+AOT_PASS_FILES = [
+    *phase_files("joint", "traced", JOINT_PIPELINE),
+    *phase_files("forward", "partitioned", AOT_GRAPH_PIPELINE),
+    *phase_files("backward", "partitioned", AOT_GRAPH_PIPELINE),
+]
 ALL_FILES = {
     *PASS_FILES,
+    *AOT_PASS_FILES,
     "forward.py",
     "backward.py",
     "collectives.txt",
@@ -166,7 +182,7 @@ def check_against_graphs(rep: dict, dump) -> None:
 
 def check_files(graph_dir: Path) -> None:
     assert {p.name for p in graph_dir.iterdir()} == ALL_FILES
-    for name in [*PASS_FILES, "forward.py", "backward.py"]:
+    for name in [*PASS_FILES, *AOT_PASS_FILES, "forward.py", "backward.py"]:
         source = (graph_dir / name).read_text()
         compile(source, name, "exec")  # readable Python, not a repr
         assert source.startswith("# tspc dump: graph"), name
@@ -386,7 +402,7 @@ def test_real_run_dump_is_written_at_compile_and_refreshed_after_first_calls(
         logger.setLevel(old_level)
 
     (graph_dir,) = (tmp_path / "rank3").iterdir()
-    assert {p.name for p in graph_dir.iterdir()} == ALL_FILES - {"backward.py"}
+    assert {p.name for p in graph_dir.iterdir()} == ALL_FILES - BACKWARD_FILES
     rep = load_report(graph_dir)
     assert rep["measured"] is None and not rep["backward_compiled"]
     assert rep["collectives_by_layer"]["forward"]["layers.0.attn"] == {

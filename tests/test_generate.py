@@ -83,9 +83,9 @@ def _matched_weight_bytes(model) -> int:
 
 def _cases(rank: int, world: int) -> dict:
     import tspc
+    from samples.generate_tsp import formula_bytes_per_token
     from tspc.report import REPORTS
     from tspc.runtime.counters import COUNTER
-    from tspc.runtime.decode import decode_bytes_per_token
 
     res: dict = {}
     # --- Llama through transformers' idiom, greedy, batch 2 with left padding
@@ -105,19 +105,8 @@ def _cases(rank: int, world: int) -> dict:
     COUNTER.reset()
     got = _generate(model)  # the prompt's K/V left sharded
     res["llama_second"] = (torch.equal(got.sequences, want.sequences), _logit_err(got, want))
-    cfg = model.config
     res["bytes_measured"] = _decode_bytes(COUNTER.snapshot())
-    res["bytes_formula"] = (NEW - 1) * decode_bytes_per_token(
-        world=world,
-        batch=2,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        hidden=cfg.hidden_size,
-        layers=cfg.num_hidden_layers,
-        itemsize=4,
-        kv_sharded=cfg.num_key_value_heads % world == 0,
-    )
+    res["bytes_formula"] = (NEW - 1) * formula_bytes_per_token(model.config, world, batch=2)
     res["matched_weight_bytes"] = _matched_weight_bytes(model)
     cache = got.past_key_values
     res["cache_counts"] = list(cache.layers[0].counts)

@@ -28,6 +28,8 @@ from tspc.tools.measure import (
     analytic_as_measured,
     measure,
     measure_rank,
+    measured_step,
+    warm_up,
 )
 from tspc.tools.memory import MemoryTracker
 from tspc.tools.plan import ModelShape, PlanInputs, main
@@ -66,13 +68,11 @@ def _real_and_fake_step(dtype: torch.dtype) -> tuple[int, int]:
     with MemoryTracker() as mt:
         model = LossModel(build_reference_model(**cfg))
         step = torch.compile(model, backend="tsp")
-        step(ids, ids).backward()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt = warm_up(
+            step, ids, ids, "train", 1, lambda: torch.optim.AdamW(model.parameters(), lr=1e-4)
+        )
         mt.reset_peak()
-        step(ids, ids).backward()
-        opt.step()
+        measured_step(step, ids, ids, "train", opt)
     torch._dynamo.reset()
     fake = measure_rank(RefConfig(**cfg), seq_len=32, micro_batch=2, dtype="fp32", world=1)
     return mt.peak_bytes, fake.peak

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tspc.passes.analyse import adopt_static_values, propagate_shapes
 from tspc.passes.graph_utils import erase_unused
-from tspc.passes.rewrite_mlp import _ring_mlp_value
+from tspc.passes.value_rules import ring_mlp_value
 from tspc.runtime.ring_mlp import ring_mlp
 
 
@@ -122,7 +122,7 @@ def test_ring_mlp_value_rule_matches_running_the_ring(world, bias, conv1d):
         orient = "ttt" if conv1d else "nnn"
         args = (x, [gate, up], [bg, bu], down, "gated:silu", orient, 0, world, "unused", "mlp")
         real = ring_mlp(*args)  # on fake tensors the collectives run their fake kernels
-        rule = _ring_mlp_value(*args)
+        rule = ring_mlp_value(*args)
     for attr in ("shape", "dtype", "device", "requires_grad"):
         assert getattr(rule, attr) == getattr(real, attr), attr
     assert rule.stride() == real.stride()

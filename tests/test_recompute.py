@@ -9,11 +9,13 @@ step (``tspc.tools.measure``).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from samples.reference_model import RefConfig
-from tests.helpers import grad_error
+from tests.helpers import adamw_side_by_side, grad_error
 from tspc.launch import spawn
 from tspc.options import OptionError, TSPOptions
 from tspc.tools.measure import measure, measure_rank
@@ -74,16 +76,12 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
         loss.backward()
         res = {"loss_err": abs(loss.item() - loss_ref.item())}
         res["grad_err"], _ = grad_error(ref, model)
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-        opt = torch.optim.AdamW(run.parameters(), lr=1e-3, eps=1e-4)
-        for step in range(3):
-            if step:
-                opt_ref.zero_grad()
-                opt.zero_grad()
-                ref_run(ids, ids).backward()
-                run(ids, ids).backward()
-            opt_ref.step()
-            opt.step()
+        adamw_side_by_side(
+            ref.parameters(),
+            run.parameters(),
+            functools.partial(ref_run, ids, ids),
+            functools.partial(run, ids, ids),
+        )
         full = tspc.state_dict(run)
         expected = ref_run.state_dict()
         res["state_err"] = max((full[k] - v).abs().max().item() for k, v in expected.items())
@@ -103,7 +101,7 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
 
     if memory:  # the step tspc.tools.measure runs, on real tensors, counted by the CPU allocator
         from tspc.samples.reference_model import RefModel
-        from tspc.tools.measure import LossModel
+        from tspc.tools.measure import LossModel, measured_step, warm_up
         from tspc.tools.memory import MemoryTracker
 
         torch._dynamo.reset()
@@ -114,16 +112,16 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
             ids = torch.randint(0, cfg.vocab_size, (MEM_BATCH, MEM_SEQ))
             targets = torch.randint(0, cfg.vocab_size, (MEM_BATCH, MEM_SEQ))
             step = torch.compile(model, backend="tsp", options={"recompute": "full"})
-            opt = None
-            for _ in range(2):
-                step(ids, targets).backward()
-                if opt is None:
-                    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            opt = warm_up(
+                step,
+                ids,
+                targets,
+                "train",
+                2,
+                lambda: torch.optim.AdamW(model.parameters(), lr=1e-4),
+            )
             mt.reset_peak()
-            step(ids, targets).backward()
-            opt.step()
+            measured_step(step, ids, targets, "train", opt)
         out["real_peak"] = mt.peak_bytes
     return out
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import grad_error
+from tests.helpers import adamw_side_by_side, grad_error
 from tspc.launch import spawn
 
 
@@ -87,16 +87,7 @@ def train_worker(rank: int, world: int, case: dict) -> dict:
     )
 
     # --- three AdamW steps (the first used the gradients above), over model.parameters()
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    opt = torch.optim.AdamW(root.parameters(), lr=1e-3, eps=1e-4)
-    for step in range(3):
-        if step:
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss_fn().backward()
-            loss_fn().backward()
-        opt_ref.step()
-        opt.step()
+    _, opt = adamw_side_by_side(ref.parameters(), root.parameters(), ref_loss_fn, loss_fn)
     full = tspc.state_dict(root)
     expected = (WithLoss(ref) if case["loss_in_graph"] else ref).state_dict()
     assert set(full) == set(expected), (sorted(full), sorted(expected))

@@ -26,7 +26,6 @@ import torch
 import torch.fx as fx
 
 from tspc.passes.analyse import analyse
-from tspc.passes.specialize import specialize
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
@@ -48,7 +47,7 @@ from . import compiles
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
 from .options import TSPOptions
-from .pipeline import LEVELS, PipelineResult, run_pipeline
+from .pipeline import LEVELS, SPECIALIZE, GraphContext, PipelineResult, run_passes, run_pipeline
 from .report import CompileReport, last_graph_id, remember
 
 log = logging.getLogger("tspc")
@@ -379,7 +378,9 @@ class _PerShapeCompiler:
         if fn is None:
             why = compiles.shape_change(key, list(self.cache), self.names, self.baked)
             with tspc_internal():
-                static = specialize(self.gm, list(args))
+                shape = GraphContext(self.gm.graph, self.opts, self.gm, list(args))
+                run_passes(SPECIALIZE, shape, None, "symbolic graph")
+                static = shape.gm
                 # the length Dynamo first traced with static shapes (before it saw a second
                 # one) comes back here: its compile is reused, not repeated
                 reused = compiles.reuse_for(

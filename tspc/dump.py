@@ -8,6 +8,9 @@
                          as Python
 ``forward.py``           the forward and backward graphs aot_autograd produced, after
 ``backward.py``          scheduling, with shapes (the backward once it is compiled)
+``<g>_NN_<pass>.py``     aot_autograd's joint graph (``joint_00_traced.py``), forward graph
+                         (``forward_00_partitioned.py``) and backward graph as their phase
+                         of ``tspc/pipeline.py`` got them and after each of its passes
 ``collectives.txt``      every collective in issue order with its arguments; nothing in it
                          depends on the rank, so ``diff`` between two ranks' files is empty
                          unless they would issue different collectives (the cause of a hang)
@@ -312,6 +315,15 @@ class GraphDump:
                 what = "Dynamo's graph as captured" if i == 0 else f"after pass '{name}'"
                 self._write(f"{i:02d}_{name}.py", self._header(what) + code)
             self._snapshots_written = True
+        for label, snapshots in self.graphs.snapshots:  # the inner compiler's phases
+            if f"{label}_NN" in self._aot_written:
+                continue
+            for i, (name, code) in enumerate(snapshots):
+                what = f"aot_autograd {label} graph " + (
+                    f"before its passes ('{name}')" if i == 0 else f"after pass '{name}'"
+                )
+                self._write(f"{label}_{i:02d}_{name}.py", self._header(what) + code)
+            self._aot_written.add(f"{label}_NN")
         for label, gms in (
             ("forward", self.graphs.forward_gms),
             ("backward", self.graphs.backward_gms),

@@ -10,9 +10,16 @@ levels (``applies``).
 ``run_pipeline`` runs it on a copy of Dynamo's graph at one *level*: "tsp" (everything), "sp"
 (sequence sharding only: replicated weights, K/V all-gathered), or "replicated" (no pass
 changes the graph; every rank computes everything). The backend falls back from a level to the
-next when a pass fails, unless the user asked for ``strict``. After the pipeline the inner
-compiler (``tspc/inner.py``) traces forward and backward with aot_autograd, tags the transfers
-for the partitioner and runs ``schedule_overlap`` again on each of the two graphs.
+next when a pass fails, unless the user asked for ``strict``.
+
+``PHASES`` at the end is every step a compile takes, in order, as five lists of passes: the
+per-shape ``SPECIALIZE`` (graphs traced with symbolic sizes, ``tspc/backend.py``), ``PIPELINE``,
+and the inner compiler's (``tspc/inner.py``) ``JOINT_PIPELINE`` (aot_autograd's joint graph:
+the partitioner's tags), ``AOT_GRAPH_PIPELINE`` (the forward and the backward graph: the
+schedule again) and ``POST_GRAD_PIPELINE`` (Inductor's post-grad graph). The later phases'
+passes take a ``GraphContext`` (one graph and the options); ``run_passes`` runs every phase
+and keeps its snapshots for a dump. ``python -m tspc.pipeline`` prints the list
+(``describe``); the README's architecture section is that output.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ from tspc.passes.analyse import (
     propagate_shapes,
     recompile_if_stale,
 )
+from tspc.passes.aot_graphs import (
+    keep_backward_transfers_in_backward,
+    mark_transfers_for_recompute,
+    split_addmm_across_waits,
+    split_recomputed_transfers,
+)
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
@@ -48,7 +61,8 @@ from tspc.passes.rewrite_mlp import rewrite_mlp
 from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
-from tspc.runtime.compat import LazyGraphModule
+from tspc.passes.specialize import specialize
+from tspc.runtime.compat import LazyGraphModule, joint_graph_cse
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE, ShardStore
 
@@ -103,12 +117,57 @@ class PassContext:
     def shards_sequence(self) -> bool:
         return self.level != "replicated" and self.group.size > 1 and bool(self.seq_len)
 
+    def code(self) -> str:
+        recompile_if_stale(self.gm)  # a pass may have deferred regenerating the code
+        return self.gm.code
+
+
+@dataclass
+class GraphContext:
+    """What a pass of the phases after ``PIPELINE`` sees: one graph (Dynamo's symbolic graph,
+    aot_autograd's joint, forward or backward graph, or Inductor's post-grad graph), the
+    options, and what a pass tells the code that runs its phase."""
+
+    graph: fx.Graph
+    opts: TSPOptions | None = None
+    gm: fx.GraphModule | None = None  # the module that owns ``graph``, where there is one
+    example_inputs: list[Any] = field(default_factory=list)
+    # JOINT_PIPELINE: False once split_recomputed_transfers made the backward its own copies,
+    # which the partitioner's CSE would merge back
+    partitioner_cse: bool = True
+
+    def code(self) -> str:
+        return self.graph.python_code(root_module="self").src
+
 
 @dataclass(frozen=True)
 class Pass:
     name: str
-    run: Callable[[PassContext], None]
-    applies: Callable[[PassContext], bool] = lambda ctx: True
+    run: Callable[[Any], None]  # step(ctx): a PassContext in PIPELINE, else a GraphContext
+    applies: Callable[[Any], bool] = lambda ctx: True
+
+
+def run_passes(
+    passes: tuple[Pass, ...],
+    ctx: PassContext | GraphContext,
+    snapshots: list[tuple[str, str]] | None = None,
+    where: str = "",
+) -> None:
+    """Every pass of ``passes`` that applies, in order. With ``snapshots`` (a dump), the code
+    after each pass is appended to it, as (pass name, Python code). An error leaves with the
+    pass and ``where`` noted on it; whoever runs the phase decides what a failure means (the
+    backend falls back to the next level for ``PIPELINE``)."""
+    for p in passes:
+        if p.applies(ctx):
+            log.debug("tspc: pass %s (%s)", p.name, where)
+            try:
+                p.run(ctx)
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"tspc: in pass '{p.name}' ({where})")
+                raise
+        if snapshots is not None:
+            snapshots.append((p.name, ctx.code()))
 
 
 def _inline_checkpoints(ctx: PassContext) -> None:
@@ -268,6 +327,91 @@ PIPELINE: tuple[Pass, ...] = (
 )
 
 
+def _specialize(ctx: GraphContext) -> None:
+    ctx.gm = specialize(ctx.gm, ctx.example_inputs)  # a new, static graph
+    ctx.graph = ctx.gm.graph
+
+
+SPECIALIZE: tuple[Pass, ...] = (Pass("specialize", _specialize),)
+
+
+def _keep_backward_transfers_in_backward(ctx: GraphContext) -> None:
+    keep_backward_transfers_in_backward(ctx.graph)
+
+
+def _mark_transfers_for_recompute(ctx: GraphContext) -> None:
+    mark_transfers_for_recompute(ctx.graph)
+
+
+def _has_recomputed_regions(ctx: GraphContext) -> bool:
+    return any(n.meta.get("ac_graph_id", 0) > 0 for n in ctx.graph.nodes)
+
+
+def _split_recomputed_transfers(ctx: GraphContext) -> None:
+    # Recomputed regions: the backward fetches its own weights and K/V. The partitioner's CSE
+    # would merge those copies back, so CSE runs here, before they are made, and not again.
+    gm = ctx.gm
+    gm.graph.eliminate_dead_code()
+    gm.graph = ctx.graph = joint_graph_cse(gm.graph)
+    if split_recomputed_transfers(gm.graph):
+        gm.recompile()
+        ctx.partitioner_cse = False
+
+
+JOINT_PIPELINE: tuple[Pass, ...] = (
+    Pass("keep_backward_transfers_in_backward", _keep_backward_transfers_in_backward),
+    Pass("mark_transfers_for_recompute", _mark_transfers_for_recompute),
+    Pass("split_recomputed_transfers", _split_recomputed_transfers, _has_recomputed_regions),
+)
+
+
+def _schedule_aot_graph(ctx: GraphContext) -> None:
+    schedule_overlap(ctx.gm)
+
+
+AOT_GRAPH_PIPELINE: tuple[Pass, ...] = (
+    Pass("schedule", _schedule_aot_graph, lambda ctx: ctx.opts.overlap),
+)
+
+
+def _split_addmm_across_waits(ctx: GraphContext) -> None:
+    split_addmm_across_waits(ctx.graph)
+
+
+POST_GRAD_PIPELINE: tuple[Pass, ...] = (
+    Pass("split_addmm_across_waits", _split_addmm_across_waits),
+)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    graph: str  # what its passes run on, and who runs them
+    passes: tuple[Pass, ...]
+
+
+PHASES: tuple[Phase, ...] = (
+    Phase(
+        "specialize", "a graph traced with symbolic sizes, per concrete shape (backend)", SPECIALIZE
+    ),
+    Phase("graph", "a copy of Dynamo's graph (backend, per fallback level)", PIPELINE),
+    Phase("joint", "aot_autograd's joint graph, before the partitioner (inner)", JOINT_PIPELINE),
+    Phase("aot_graph", "the forward and the backward graph (inner)", AOT_GRAPH_PIPELINE),
+    Phase("post_grad", "Inductor's post-grad graph, inner='inductor' (inner)", POST_GRAD_PIPELINE),
+)
+
+
+def describe() -> str:
+    """Every phase and its passes in order: the list the README's architecture section shows
+    (``python -m tspc.pipeline`` prints it; a test keeps the two equal)."""
+    lines = []
+    for phase in PHASES:
+        lines.append(f"{phase.name}: {phase.graph}")
+        for i, p in enumerate(phase.passes, 1):
+            lines.append(f"  {i:2d}. {p.name}")
+    return "\n".join(lines)
+
+
 def fresh_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's graph in a new GraphModule with no Dynamo metadata.
 
@@ -307,19 +451,12 @@ def run_pipeline(
     ctx = PassContext(gm, list(example_inputs), group, opts, level, report, shard_store=store)
     res = PipelineResult(gm, report)
 
-    def snap(name: str) -> None:
-        # Only a dump shows the per-pass code: generating it for the whole graph after every
-        # pass is a cost no other user of the pipeline should pay.
-        if opts.dump_dir:
-            recompile_if_stale(gm)  # a pass may have deferred regenerating the code
-            res.snapshots.append((name, gm.code))
-
-    snap("captured")
-    for p in PIPELINE:
-        if p.applies(ctx):
-            log.debug("tspc: pass %s (level %s, graph %d)", p.name, level, graph_id)
-            p.run(ctx)
-        snap(p.name)
+    # Only a dump shows the per-pass code: generating it for the whole graph after every
+    # pass is a cost no other user of the pipeline should pay.
+    snapshots = res.snapshots if opts.dump_dir else None
+    if snapshots is not None:
+        snapshots.append(("captured", ctx.code()))
+    run_passes(PIPELINE, ctx, snapshots, f"level {level}, graph {graph_id}")
     recompile_if_stale(gm)
     if ctx.shards is not None:
         res.shard_inputs = ctx.shards.items
@@ -331,3 +468,7 @@ def _natural_key(s: str):
     import re
 
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+if __name__ == "__main__":
+    print(describe())

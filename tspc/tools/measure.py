@@ -56,7 +56,7 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,6 +446,39 @@ def _keep_fake_parameter_class() -> Iterator[None]:
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def warm_up(
+    step: Callable, ids: Any, targets: Any, mode: str, steps: int, make_optimizer: Callable
+) -> torch.optim.Optimizer | None:
+    """``steps`` calls of ``step(ids, targets)`` as the measured one runs them (``mode``: "train"
+    or "forward"). In training the optimizer is made after the first call, when the shards
+    exist, and each step runs it (the first creates its moments). Returns the optimizer."""
+    optimizer = None
+    for _ in range(steps):
+        if mode == "train":
+            step(ids, targets).backward()
+            if optimizer is None:
+                optimizer = make_optimizer()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                step(ids, targets)
+    return optimizer
+
+
+def measured_step(
+    step: Callable, ids: Any, targets: Any, mode: str, optimizer: torch.optim.Optimizer | None
+) -> torch.Tensor:
+    """The measured step: the forward, and in training its backward and the optimizer step."""
+    if mode != "train":
+        with torch.no_grad():
+            return step(ids, targets)
+    loss = step(ids, targets)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def measure_rank(
     config: Any,
     *,
@@ -489,17 +522,15 @@ def measure_rank(
             # fake tensors: aot_eager (Inductor would generate and build kernels for them)
             options={"schedules": schedules, "recompute": recompute, "inner": "aot_eager"},
         )
-        optimizer = None
-        for _ in range(2):  # the first call compiles; a recompile would come at the second
-            if mode == "train":
-                compiled(ids, targets).backward()
-                if optimizer is None:  # after the first call: the shards exist now
-                    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-                optimizer.step()  # the first creates the moments
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                with torch.no_grad():
-                    compiled(ids, targets)
+        # the first call compiles; a recompile would come at the second
+        optimizer = warm_up(
+            compiled,
+            ids,
+            targets,
+            mode,
+            2,
+            lambda m=model: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        )
         t1 = time.perf_counter()
 
         shards = shards_of(model)
@@ -516,13 +547,7 @@ def measure_rank(
                 if torch.is_tensor(v)
             )
         with tracker:
-            if mode == "train":
-                loss = compiled(ids, targets)
-                loss.backward()
-                optimizer.step()
-            else:
-                with torch.no_grad():
-                    loss = compiled(ids, targets)
+            loss = measured_step(compiled, ids, targets, mode, optimizer)
         t2 = time.perf_counter()
 
         # What each block live at the peak is, by what holds it at the end of the step.

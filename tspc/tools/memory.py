@@ -190,6 +190,17 @@ def _flush_locked(restart: bool) -> None:
         _start_session()
 
 
+def _synced(count: str) -> property:
+    """A tracker's count (the attribute ``count``), read after processing the events recorded
+    so far (``MemoryTracker.sync``)."""
+
+    def read(tracker: MemoryTracker) -> int:
+        tracker.sync()
+        return getattr(tracker, count)
+
+    return property(read)
+
+
 class MemoryTracker:
     """Measure CPU memory allocated while active: ``with MemoryTracker() as mt: ...``.
 
@@ -267,35 +278,12 @@ class MemoryTracker:
         self._comm_peak = self._comm_current
         self._comm_at_peak = self._comm_current
 
-    @property
-    def current_bytes(self) -> int:
-        self.sync()
-        return self._current
-
-    @property
-    def peak_bytes(self) -> int:
-        self.sync()
-        return self._peak
-
-    @property
-    def comm_current_bytes(self) -> int:
-        self.sync()
-        return self._comm_current
-
-    @property
-    def comm_peak_bytes(self) -> int:
-        self.sync()
-        return self._comm_peak
-
-    @property
-    def comm_bytes_at_peak(self) -> int:
-        self.sync()
-        return self._comm_at_peak
-
-    @property
-    def num_allocations(self) -> int:
-        self.sync()
-        return self._num_allocations
+    current_bytes = _synced("_current")
+    peak_bytes = _synced("_peak")
+    comm_current_bytes = _synced("_comm_current")
+    comm_peak_bytes = _synced("_comm_peak")
+    comm_bytes_at_peak = _synced("_comm_at_peak")
+    num_allocations = _synced("_num_allocations")
 
     def live_blocks(self) -> dict[int, tuple[int, bool, bool]]:
         """``ptr -> (nbytes, is_comm, was_live_at_peak)`` for the blocks live now."""
