@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import count_collectives
+from tests.helpers import D4_EXTENDED, count_collectives
 
 H, HEADS, KV, D_HEAD, VOCAB = 64, 8, 4, 8, 128
 
@@ -157,7 +157,7 @@ def test_map_getitem_keeps_a_split_through_one_list_index():
     assert map_getitem((2, 16, 4, 6, 8), (0, slice(None), slice(None), [1]), heads) == "unknown"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_every_form_is_matched_with_its_schedule_and_placements(world, fake_group):
     from tspc.backend import COMPILED
     from tspc.runtime.shard_store import STORE

@@ -114,3 +114,19 @@ def test_comm_timeout_is_the_graphs_own_not_the_process_default():
         with comm.timeout_scope(None):  # a graph without its own: the process default
             assert comm.current_timeout() == default
         assert comm.current_timeout() == 7.0
+
+
+def test_a_graph_no_pipeline_level_can_run_is_a_clear_error(monkeypatch, fake_group):
+    """Every level failing (here: injected) must name each failure, not end in a bare assert."""
+    import tspc.backend as backend
+
+    def failing(gm, example_inputs, group, opts, level, graph_id):
+        raise RuntimeError(f"injected failure at level {level}")
+
+    fake_group(0, 2)
+    monkeypatch.setattr(backend, "run_pipeline", failing)
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="tsp")
+    with pytest.raises(Exception, match=r"every pipeline level failed(.|\n)*level replicated"):
+        compiled(torch.randn(2, 4))
+    torch._dynamo.reset()

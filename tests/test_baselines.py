@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from bench.baselines import build_tp, build_tp_sp, full_parameters, param_groups
 from samples.reference_model import build_reference_model
+from tests.helpers import D4_EXTENDED
 from tspc.launch import spawn
 from tspc.tools.memory import MemoryTracker, breakdown, state_bytes
 
@@ -134,7 +135,7 @@ def _eager_rank(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, D4_EXTENDED])
 def test_tp_and_tp_sp_match_one_process(world_size):
     for r in spawn(_eager_rank, world_size, timeout=120):
         _check(r["tp"], SEQ)

@@ -191,7 +191,7 @@ CASES_PROJECTIONS_D4 = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_attention_projection_forms_match_one_process(world):
     """Conv1D, fused, grouped and interleaved QKV layouts, rotate-every-two RoPE, cross-head
     q/k norms and parallel attention + MLP blocks: every attention and MLP matched (MoE MLPs
@@ -266,7 +266,7 @@ def hf_train_worker(rank: int, world: int, attn: str, family: str = "llama") -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_llama_gradients_with_labels_and_padding_match_one_process(world):
     # eager attention (canonicalised to SDPA) at D = 2; the zoo runs eager forwards at D = 2, 4
     for attn in ("sdpa", "eager") if world == 2 else ("sdpa",):

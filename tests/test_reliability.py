@@ -135,7 +135,7 @@ def peer_worker(rank: int, world: int, mode: str) -> dict:
     if rank == 1:
         if mode == "die":
             os._exit(17)
-        time.sleep(30)  # stall: alive, but never joins the next collective
+        time.sleep(15)  # stall: alive, but never joins the next collective
         return {}
     start = time.monotonic()
     try:

@@ -160,7 +160,13 @@ def _compile_static(
                 ) from e
             log.warning("tspc: the '%s' pipeline failed (%s); falling back", level, e)
             errors.append(f"'{level}' failed: {type(e).__name__}: {e}")
-    assert result is not None
+    if result is None:  # even the replicated level failed: nothing tspc could run
+        raise TSPCompileError(
+            f"tspc: every pipeline level failed on graph {graph_id}, so it cannot run this "
+            "graph at all:\n  " + "\n  ".join(errors) + "\nThe last level only traces and "
+            "runs the graph unchanged, so this is a tspc bug (please report it with "
+            "options={'dump_dir': ...}); compile with backend='inductor' meanwhile."
+        )
     report = result.report
     report.fallbacks = errors
     _check_released_inputs(gm, result, example_inputs, errors, graph_id)
