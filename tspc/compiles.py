@@ -85,6 +85,12 @@ def record(event: CompileEvent) -> None:
     log.info("%s", event.line())
 
 
+def count_family_run() -> None:
+    """A new shape that a program compiled for every length of its family ran, with no
+    compile (``tspc/length_family.py``): ``counters["tspc"]["runs_without_compile"]``."""
+    dynamo_counters()["tspc"]["runs_without_compile"] += 1
+
+
 def events(after_graph: int = -1) -> list[CompileEvent]:
     """This process's compile records of graphs with an id above ``after_graph``."""
     return [e for e in EVENTS if e.graph_id > after_graph]
