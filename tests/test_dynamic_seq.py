@@ -63,10 +63,13 @@ def test_numbers_not_affine_in_the_length_are_refused():
 
 # --------------------------------------------------------------------------- gloo, D = 2
 
-# two steps at the first length (Dynamo's static trace), the second length (Dynamo's symbolic
-# trace: tspc compiles the family program), then lengths that program runs: longer, shorter,
-# the first again; last a length that must be padded (not a multiple of 2D): compiled alone
-LENGTHS = (16, 16, 24, 40, 8, 16, 18)
+# The reference model under Dynamo's automatic dynamic shapes: two steps at the first length
+# (Dynamo's static trace), the second length (Dynamo's symbolic trace: tspc compiles the family
+# program), then lengths that program runs: longer, shorter, the first again; last a length that
+# must be padded (not a multiple of 2D): compiled alone. Llama (its loss in the graph) with
+# ``dynamic=True``: symbolic from the first call, which compiles the family program.
+LENGTHS = {"reference": (16, 16, 24, 40, 8, 16, 18), "llama": (16, 16, 24, 40)}
+COMPILES = {"reference": [1, 0, 1, 0, 0, 0, 1], "llama": [1, 0, 0, 0]}
 
 
 def _dynamic_steps(rank, world):
@@ -101,10 +104,11 @@ def _dynamic_steps(rank, world):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg).train()
         options = {"inner": "aot_eager", "dynamic_seq": True}
-        cm = torch.compile(model, backend="tsp", options=options)
+        dynamic = True if family == "llama" else None
+        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
         first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
         steps = []
-        for s in LENGTHS:
+        for s in LENGTHS[family]:
             before = len(inner_calls)
             ids = torch.randint(1, 128, (2, s), generator=torch.Generator().manual_seed(s))
             if family == "reference":
@@ -141,14 +145,14 @@ def test_new_lengths_run_the_compiled_program():
         for family, r in per_rank.items():
             for step in r["steps"]:  # every length equals one process
                 assert step["out"] < 1e-5 and step["grad"] < 1e-5, (family, step)
-            # inner compiles: the first length (static trace), the second (the family program),
-            # and the padded length; none at a second step or at any other new length
-            assert [s["compiles"] for s in r["steps"]] == [1, 0, 1, 0, 0, 0, 1], (family, r)
-            assert r["unique_graphs"] == 2, (family, r)  # Dynamo: static, then symbolic
-            assert r["kinds"] == [
-                compiles.NEW_GRAPH,
-                compiles.NEW_SYMBOLIC_GRAPH,
-                compiles.NEW_SHAPE,
-            ], (family, r)
-            # 40, 8 and 16 again: run by the family program, counted as runs without compile
-            assert r["tspc"]["compiles"] == 3 and r["tspc"]["runs_without_compile"] == 3, r
+            # inner compiles: the reference model's first length (Dynamo's static trace), its
+            # second (the family program) and its padded length; Llama's first (the family
+            # program); none at a second step or at any other new length
+            assert [s["compiles"] for s in r["steps"]] == COMPILES[family], (family, r)
+        ref, llama = per_rank["reference"], per_rank["llama"]
+        assert ref["unique_graphs"] == 2 and llama["unique_graphs"] == 1  # Dynamo's traces
+        kinds = [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+        assert ref["kinds"] == kinds and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
+        # run by the family program with no compile: 40, 8 and 16 again; Llama's 24 and 40
+        assert ref["tspc"]["compiles"] == 3 and ref["tspc"]["runs_without_compile"] == 3, ref
+        assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2

@@ -267,6 +267,9 @@ def _compile_for_lengths(
         general, inputs = probe.prepare(result, full_inputs, group, opts, report.level)
     except LengthNotGeneralizable as e:
         probe.failed = str(e)
+    except Exception as e:  # noqa: BLE001 - reported; the static compile runs instead
+        probe.failed = f"generalising the graph failed: {type(e).__name__}: {e}"
+        log.warning("tspc: dynamic_seq: %s", probe.failed)
     event.seconds["length probes"] = time.perf_counter() - t0
     if probe.failed is None:
         t1 = time.perf_counter()
@@ -487,16 +490,28 @@ class _PerShapeCompiler:
         return fn(*args)
 
     def _probe(self, static: fx.GraphModule, args: list[Any]) -> LengthProbe | None:
-        """A first attempt at one program for every length (``dynamic_seq``), or None."""
+        """An attempt at one program for every length (``dynamic_seq``), or None. Made once
+        per graph, at its first length that splits into 2D chunks."""
         if not self.opts.dynamic_seq or self.family_tried:
             return None
-        self.family_tried = True
         try:
             seq = sequence_input(self.gm, args, find_sequence_length(static))
         except LengthNotGeneralizable as e:
+            self.family_tried = True
             compiles.log.info("tspc: dynamic_seq: compiled for this length only: %s", e)
             return None
-        return LengthProbe(self.gm, args, seq, 2 * self.group.size, run_pipeline)
+        chunks = 2 * self.group.size
+        if args[seq.index] % chunks:
+            compiles.log.info(
+                "tspc: dynamic_seq: length %d is padded to a multiple of 2D = %d: compiled for "
+                "this length only (the program for every length is made at the first length "
+                "that is a multiple)",
+                args[seq.index],
+                chunks,
+            )
+            return None
+        self.family_tried = True
+        return LengthProbe(self.gm, args, seq, chunks, run_pipeline)
 
 
 def tsp_backend(

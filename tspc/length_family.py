@@ -151,6 +151,8 @@ class LengthProbe:
         length = self.args[self.seq.index]
         if length % self.chunks:
             raise LengthNotGeneralizable(f"length {length} is padded to a multiple of 2D")
+        # the probes: longer lengths only (a shorter one could be below 2D), spread out so that
+        # a length-dependent decision of the passes is likelier to show between them
         self.lengths = (length, length + self.chunks, 2 * length + self.chunks)
         graphs = [_copy(result.gm)]
         for probe in self.lengths[1:]:
