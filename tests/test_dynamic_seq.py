@@ -67,9 +67,20 @@ def test_numbers_not_affine_in_the_length_are_refused():
 # (Dynamo's static trace), the second length (Dynamo's symbolic trace: tspc compiles the family
 # program), then lengths that program runs: longer, shorter, the first again; last a length that
 # must be padded (not a multiple of 2D): compiled alone. Llama (its loss in the graph) with
-# ``dynamic=True``: symbolic from the first call, which compiles the family program.
-LENGTHS = {"reference": (16, 16, 24, 40, 8, 16, 18), "llama": (16, 16, 24, 40)}
-COMPILES = {"reference": [1, 0, 1, 0, 0, 0, 1], "llama": [1, 0, 0, 0]}
+# ``dynamic=True``: symbolic from the first call, which compiles the family program. Mistral with
+# a sliding window of 32 (``dynamic=True``): at 24 the window is wider than the sequence and the
+# mask is plain causal, so that program serves lengths up to 32 only; 40 gets a second program
+# (with the window), which 64 runs; 32 and 8 run the first.
+LENGTHS = {
+    "reference": (16, 16, 24, 40, 8, 16, 18),
+    "llama": (16, 16, 24, 40),
+    "mistral": (24, 40, 32, 64, 8),
+}
+COMPILES = {
+    "reference": [1, 0, 1, 0, 0, 0, 1],
+    "llama": [1, 0, 0, 0],
+    "mistral": [1, 1, 0, 0, 0],
+}
 
 
 def _dynamic_steps(rank, world):
@@ -89,7 +100,7 @@ def _dynamic_steps(rank, world):
 
     backend.compile_inner = counting
     results = {}
-    for family in ("reference", "llama"):
+    for family in LENGTHS:
         torch._dynamo.reset()
         dynamo_counters().clear()
         inner_calls.clear()
@@ -97,14 +108,16 @@ def _dynamic_steps(rank, world):
             kw = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4)
             ref, model = (build_reference_model(**kw, num_kv_heads=2) for _ in range(2))
         else:
-            cfg = AutoConfig.for_model("llama", **HF_SMALL)
+            cfg = AutoConfig.for_model(family, **HF_SMALL)
             cfg._attn_implementation = "sdpa"
+            if family == "mistral":
+                cfg.sliding_window = 32
             torch.manual_seed(0)
             ref = AutoModelForCausalLM.from_config(cfg).train()
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg).train()
         options = {"inner": "aot_eager", "dynamic_seq": True}
-        dynamic = True if family == "llama" else None
+        dynamic = None if family == "reference" else True
         cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
         first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
         steps = []
@@ -147,12 +160,17 @@ def test_new_lengths_run_the_compiled_program():
                 assert step["out"] < 1e-5 and step["grad"] < 1e-5, (family, step)
             # inner compiles: the reference model's first length (Dynamo's static trace), its
             # second (the family program) and its padded length; Llama's first (the family
-            # program); none at a second step or at any other new length
+            # program); Mistral's first and the first beyond its window; none at a second step
+            # or at any other new length
             assert [s["compiles"] for s in r["steps"]] == COMPILES[family], (family, r)
-        ref, llama = per_rank["reference"], per_rank["llama"]
-        assert ref["unique_graphs"] == 2 and llama["unique_graphs"] == 1  # Dynamo's traces
+        ref, llama, mistral = per_rank["reference"], per_rank["llama"], per_rank["mistral"]
+        assert ref["unique_graphs"] == 2  # Dynamo's traces: static, then symbolic
+        assert llama["unique_graphs"] == mistral["unique_graphs"] == 1
         kinds = [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
         assert ref["kinds"] == kinds and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
-        # run by the family program with no compile: 40, 8 and 16 again; Llama's 24 and 40
+        assert mistral["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+        # run by a family program with no compile: 40, 8 and 16 again; Llama's 24 and 40;
+        # Mistral's 32, 64 and 8
         assert ref["tspc"]["compiles"] == 3 and ref["tspc"]["runs_without_compile"] == 3, ref
         assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2
+        assert mistral["tspc"]["compiles"] == 2 and mistral["tspc"]["runs_without_compile"] == 3

@@ -401,6 +401,11 @@ class _CompiledTSPGraph:
         return out
 
 
+MAX_FAMILIES = 2
+"""Programs for every length one symbolic graph may get (``dynamic_seq``): the second serves the
+lengths beyond what the first's masks hold at (a sliding window narrower than them)."""
+
+
 class _PerShapeCompiler:
     """Compiles a symbolic-shape graph once per concrete input shape, at first use.
 
@@ -428,10 +433,11 @@ class _PerShapeCompiler:
             for i, n in enumerate(placeholders)
             if any(u.op == "call_method" and u.target == "item" for u in n.users)
         }
-        # dynamic_seq: the programs compiled for every length of a family, and whether one
-        # was attempted (once per graph: a graph that is no family compiles per length)
+        # dynamic_seq: the programs compiled for every length of a family (a second one for
+        # lengths beyond the first's ``longest``), and whether an attempt failed (a graph that
+        # is no family compiles per length from then on)
         self.families: list[LengthFamily] = []
-        self.family_tried = False
+        self.family_failed = False
 
     def __call__(self, *args):
         key = compiles.shape_key(args, self.baked)
@@ -472,6 +478,8 @@ class _PerShapeCompiler:
                     fn = _compile_static(
                         static, list(args), self.group, self.opts, why, self.dynamo_id, probe
                     )
+                    if probe is not None and probe.failed is not None:
+                        self.family_failed = True
                     if probe is not None and probe.failed is None:
                         self.families.append(
                             LengthFamily(
@@ -484,20 +492,22 @@ class _PerShapeCompiler:
                                 probe.shape_env,
                                 probe.symbol,
                                 probe.lengths,
+                                probe.longest,
                             )
                         )
             self.cache[key] = fn
         return fn(*args)
 
     def _probe(self, static: fx.GraphModule, args: list[Any]) -> LengthProbe | None:
-        """An attempt at one program for every length (``dynamic_seq``), or None. Made once
-        per graph, at its first length that splits into 2D chunks."""
-        if not self.opts.dynamic_seq or self.family_tried:
+        """An attempt at one program for every length (``dynamic_seq``), or None. Made at the
+        graph's first length that splits into 2D chunks, and once more for a length beyond the
+        first program's ``longest``; never again after an attempt failed."""
+        if not self.opts.dynamic_seq or self.family_failed or len(self.families) >= MAX_FAMILIES:
             return None
         try:
             seq = sequence_input(self.gm, args, find_sequence_length(static))
         except LengthNotGeneralizable as e:
-            self.family_tried = True
+            self.family_failed = True
             compiles.log.info("tspc: dynamic_seq: compiled for this length only: %s", e)
             return None
         chunks = 2 * self.group.size
@@ -510,7 +520,6 @@ class _PerShapeCompiler:
                 chunks,
             )
             return None
-        self.family_tried = True
         return LengthProbe(self.gm, args, seq, chunks, run_pipeline)
 
 

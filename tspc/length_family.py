@@ -51,11 +51,17 @@ __all__ = ["LengthFamily", "LengthNotGeneralizable", "LengthProbe", "sequence_in
 
 @dataclass(frozen=True)
 class SequenceInput:
-    """Where the sequence length enters a Dynamo graph: the position of its int input and, per
-    tensor input, the dims that are that length."""
+    """Where the sequence length enters a Dynamo graph: the positions of its int inputs (Dynamo
+    may give each input's sequence dim a symbol of its own: ``input_ids``, ``attention_mask``,
+    ``labels``) and, per tensor input, the dims that are one of them."""
 
-    index: int
+    indices: tuple[int, ...]
     dims: dict[int, tuple[int, ...]]
+
+    @property
+    def index(self) -> int:
+        """The int input the generalised graph computes its lengths from."""
+        return self.indices[0]
 
 
 def _example(node: fx.Node) -> Any:
@@ -63,28 +69,25 @@ def _example(node: fx.Node) -> Any:
 
 
 def sequence_input(gm: fx.GraphModule, args: list[Any], seq_len: int | None) -> SequenceInput:
-    """The int input of Dynamo's symbolic graph that is the sequence length ``seq_len`` (the
-    attention's query length the passes found), and the tensor dims that are exactly it.
-    ``LengthNotGeneralizable`` when there is none, or more than one, or a tensor dim is some
-    other expression of it."""
+    """The int inputs of Dynamo's symbolic graph that have the value of the sequence length
+    ``seq_len`` (the attention's query length the passes found), and the tensor dims that are
+    exactly one of them. ``LengthNotGeneralizable`` when there is none, or a tensor dim is some
+    other expression of them. All of them are taken to be the sequence length: the family's
+    program runs only calls where they are all equal (``LengthFamily.covers``)."""
     if not seq_len:
         raise LengthNotGeneralizable("no self-attention: no sequence length to generalise over")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    candidates = [
+    indices = tuple(
         i
         for i, (n, a) in enumerate(zip(placeholders, args))
         if isinstance(a, int)
         and not isinstance(a, bool)
         and a == seq_len
         and isinstance(_example(n), torch.SymInt)
-    ]
-    if len(candidates) != 1:
-        raise LengthNotGeneralizable(
-            f"{len(candidates)} symbolic size inputs have the sequence length {seq_len}'s value "
-            "(one expected)"
-        )
-    index = candidates[0]
-    symbol = _example(placeholders[index]).node.expr
+    )
+    if not indices:
+        raise LengthNotGeneralizable(f"no symbolic size input has the sequence length {seq_len}")
+    symbols = {_example(placeholders[i]).node.expr for i in indices}
     dims: dict[int, tuple[int, ...]] = {}
     for i, n in enumerate(placeholders):
         ex = _example(n)
@@ -95,9 +98,9 @@ def sequence_input(gm: fx.GraphModule, args: list[Any], seq_len: int | None) -> 
             if not isinstance(size, torch.SymInt):
                 continue
             expr = size.node.expr
-            if expr == symbol:
+            if expr in symbols:
                 these.append(d)
-            elif symbol in expr.free_symbols:
+            elif symbols & expr.free_symbols:
                 raise LengthNotGeneralizable(
                     f"input {n.name} has size {expr} in dim {d}: only dims that are the "
                     "sequence length itself are supported"
@@ -106,14 +109,15 @@ def sequence_input(gm: fx.GraphModule, args: list[Any], seq_len: int | None) -> 
             if not isinstance(args[i], torch.Tensor) or not args[i].is_contiguous():
                 raise LengthNotGeneralizable(f"input {n.name} is not a contiguous tensor")
             dims[i] = tuple(these)
-    return SequenceInput(index, dims)
+    return SequenceInput(indices, dims)
 
 
 def family_key(args: tuple | list, baked: set[int], seq: SequenceInput) -> tuple:
     """``compiles.shape_key`` with the sequence length left out: what one program of the
     family is specific to."""
     key = list(compiles.shape_key(tuple(args), baked))
-    key[seq.index] = None
+    for i in seq.indices:
+        key[i] = None
     for i, dims in seq.dims.items():
         key[i] = tuple(None if d in dims else s for d, s in enumerate(key[i]))
     return tuple(key)
@@ -123,7 +127,8 @@ def _with_length(args: list[Any], seq: SequenceInput, length: int) -> list[Any]:
     """The inputs at another length (zeros where a sequence dim grew: the passes see shapes
     only)."""
     out = list(args)
-    out[seq.index] = length
+    for i in seq.indices:
+        out[i] = length
     for i, dims in seq.dims.items():
         t = args[i]
         shape = [length if d in dims else s for d, s in enumerate(t.shape)]
@@ -146,14 +151,26 @@ class LengthProbe:
     shape_env: Any = None
     symbol: Any = None
     failed: str | None = None  # why the family program was not made (None: it was)
+    # the longest length the passes' decisions hold at (a mask's window dropped as at least as
+    # wide as the sequence: ``longest`` of the report's masks); None: no bound known
+    longest: int | None = None
 
     def prepare(self, result, full_inputs: list[Any], group, opts, level: str):
         length = self.args[self.seq.index]
         if length % self.chunks:
             raise LengthNotGeneralizable(f"length {length} is padded to a multiple of 2D")
+        self.longest = _longest(result.report)
         # the probes: longer lengths only (a shorter one could be below 2D), spread out so that
-        # a length-dependent decision of the passes is likelier to show between them
-        self.lengths = (length, length + self.chunks, 2 * length + self.chunks)
+        # a length-dependent decision of the passes is likelier to show between them, and no
+        # longer than the passes' decisions at this length hold
+        far = 2 * length + self.chunks
+        if self.longest is not None:
+            far = min(far, self.longest // self.chunks * self.chunks)
+        if far <= length + self.chunks:
+            raise LengthNotGeneralizable(
+                f"the mask's meaning at length {length} holds up to length {self.longest} only"
+            )
+        self.lengths = (length, length + self.chunks, far)
         graphs = [_copy(result.gm)]
         for probe in self.lengths[1:]:
             args = _with_length(self.args, self.seq, probe)
@@ -165,6 +182,11 @@ class LengthProbe:
                 ) from e
             if res.report.level != level:
                 raise LengthNotGeneralizable(f"the pipeline fell back at length {probe}")
+            if _longest(res.report) != self.longest:
+                raise LengthNotGeneralizable(
+                    f"the masks' longest valid length is {_longest(res.report)} at length "
+                    f"{probe}, {self.longest} at {length}"
+                )
             graphs.append(res.gm)
         name = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"][self.seq.index]
         general = generalize_sequence_length(graphs, self.lengths, name, self.chunks)
@@ -172,7 +194,7 @@ class LengthProbe:
         self.symbol = symint.node.expr
         inputs = []
         for i, x in enumerate(full_inputs):
-            if i == self.seq.index:
+            if i in self.seq.indices:
                 inputs.append(symint)
             elif i in self.seq.dims:
                 shape = [symint if d in self.seq.dims[i] else s for d, s in enumerate(x.shape)]
@@ -184,6 +206,11 @@ class LengthProbe:
             else:
                 inputs.append(x)
         return general, inputs
+
+
+def _longest(report) -> int | None:
+    """The longest length at which every mask of the report keeps its meaning."""
+    return min((m["longest"] for m in report.masks if m.get("longest")), default=None)
 
 
 def run_pipeline_quietly(run_pipeline, gm, args, group, opts, level):
@@ -218,10 +245,15 @@ class LengthFamily:
     shape_env: Any
     symbol: Any
     lengths: tuple[int, ...]
+    longest: int | None  # the longest length it serves (``LengthProbe.longest``)
 
     def covers(self, args: tuple) -> bool:
         length = args[self.seq.index]
         if not isinstance(length, int) or length <= 0 or length % self.chunks:
+            return False
+        if self.longest is not None and length > self.longest:
+            return False
+        if any(args[i] != length for i in self.seq.indices):
             return False
         if family_key(args, self.baked, self.seq) != self.key:
             return False
