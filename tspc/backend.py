@@ -8,7 +8,9 @@ the inner compiler (``tspc/inner.py``).
 A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
 values) is compiled per concrete shape at its first call with that shape: the passes bake the
 local sequence length into shapes, and every rank sees the same shapes in the same order, so all
-ranks compile the same graphs.
+ranks compile the same graphs. With ``options={"dynamic_seq": True}`` the first such length
+that is a multiple of 2D is compiled once for every length of that kind instead
+(``tspc/length_family.py``), and later lengths run that program.
 """
 
 from __future__ import annotations

@@ -21,9 +21,12 @@ the passes build differently per length, a trace that specialised the length) co
 length as before, and the compile log says why.
 
 What is trusted, not proven: the passes decide the same way at every length of the family as at
-the three probed ones. The passes' decisions that depend on the length are the padding (excluded:
-multiples of 2D only) and coincidences of the length with another size (which change the graph
-at a probe, and are refused); a threshold no probe crosses would not be seen, hence an option.
+the three probed ones. Their decisions that depend on the length are the padding (excluded:
+multiples of 2D only), coincidences of the length with another size (which change the graph at
+a probe, and are refused), and a mask's window dropped as at least as wide as the sequence: the
+mask report says up to which length that holds (``longest``), the probes stay within it, and a
+family serves no length beyond it (a longer length gets a second program). A threshold no probe
+crosses that the passes do not report would not be seen, hence an option.
 """
 
 from __future__ import annotations
