@@ -6,7 +6,7 @@ compiler again (``tspc/backend.py``, ``_PerShapeCompiler``). With ``dynamic_seq`
 length ``S`` of such a graph that is a multiple of 2D is compiled for the whole family instead:
 
 1. the pipeline runs at ``S`` (the real compile: its report, its weight shards) and, as probes
-   on a private shard store, at two more lengths (``S + 2D`` and ``2S + 2D``);
+   on a scratch copy of the shard store, at two more lengths (``S + 2D`` and ``2S + 2D``);
 2. ``passes/generalize_length.py`` checks the three rewritten graphs are one graph whose
    length-dependent numbers are ``a * (S / 2D) + b`` and writes them as arithmetic on the
    graph's length input;
@@ -31,7 +31,6 @@ crosses that the passes do not report would not be seen, hence an option.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +45,6 @@ from tspc.runtime.compat import shape_env_guards, symbolic_fake_mode
 from tspc.runtime.shard_store import STORE
 
 from . import compiles
-
-log = logging.getLogger("tspc.compiles")
 
 __all__ = ["LengthFamily", "LengthNotGeneralizable", "LengthProbe", "sequence_input"]
 
@@ -261,4 +258,10 @@ class LengthFamily:
         if family_key(args, self.baked, self.seq) != self.key:
             return False
         at = {self.symbol: sympy.Integer(length)}
-        return all(bool(expr.xreplace(at)) for expr in shape_env_guards(self.shape_env))
+        for expr in shape_env_guards(self.shape_env):
+            try:
+                if not bool(expr.xreplace(at)):
+                    return False
+            except TypeError:  # a guard on another symbol (none expected): not decidable here
+                return False
+        return True
