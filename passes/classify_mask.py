@@ -160,6 +160,9 @@ class MaskMeaning:
     doc_source: str = ""  # how the documents were found (for the report)
     # an explicit [B|1, 1, S, S] mask input: documents derived from it (and checked) per call
     user_mask: fx.Node | None = None
+    # the longest sequence at which the dropped terms are still always true (a window at least
+    # as wide as the sequence); None: the meaning holds at every length
+    longest: int | None = None
 
     def describe(self, key_padding: bool) -> str:
         if self.user_mask is not None:
@@ -292,6 +295,7 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
     windows: list[int] = []
     key_terms = []
     dropped = []
+    longest: list[int] = []  # the longest length at which each dropped term is always true
     docs: set[fx.Node] = set()
     # comparisons of position ids P[b, q], P[b, k] (packed sequences): (P, "causal" | W)
     positional: list[tuple[fx.Node, object]] = []
@@ -312,12 +316,14 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
                 continue
             if coeffs == {2: 1, 3: -1} and bound >= s_q - 1:  # q - k <= W - 1 with W >= S
                 dropped.append(f"window q-k <= {bound} (always true at length {s_q})")
+                longest.append(bound + 1)
                 continue
             if coeffs == {2: 1, 3: -1} and bound >= 0:  # a sliding window q - k < W
                 windows.append(bound + 1)
                 continue
             if coeffs == {3: 1, 2: -1} and bound >= s_k - 1:
                 dropped.append("an always-true comparison")
+                longest.append(bound + 1)
                 continue
             return f"unsupported index condition {p}"
         if _vars(p) <= {0, 3}:
@@ -368,6 +374,7 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
             causal = True
         elif what >= s_q:
             dropped.append(f"window {what} (always true at length {s_q})")
+            longest.append(what)
         else:
             windows.append(what)
     if not causal:
@@ -385,7 +392,9 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
     for t in key_terms:
         key = t if key is None else ("op", "and", (key, t))
     window = min(windows) if windows else None
-    return MaskMeaning("causal", key, dropped, window, doc, doc_source)
+    return MaskMeaning(
+        "causal", key, dropped, window, doc, doc_source, longest=min(longest, default=None)
+    )
 
 
 # --------------------------------------------------------------------------- emitting key_valid
@@ -457,6 +466,9 @@ class MaskReport:
     kind: str = "dense_rows"
     window: int | None = None
     documents: str | None = None  # where the document ids came from
+    # the longest sequence this meaning holds at (a window dropped as at least as wide as the
+    # sequence); None: every length (``tspc/length_family.py`` reads it)
+    longest: int | None = None
 
 
 def _kind_of(meaning: MaskMeaning) -> str:
@@ -563,6 +575,7 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
                 kind=_kind_of(meaning),
                 window=meaning.window,
                 documents=meaning.doc_source or None,
+                longest=meaning.longest,
             )
         )
     eliminate_dead_code(g)

@@ -202,3 +202,26 @@ def optimized_module_class() -> type:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return OptimizedModule
+
+
+def symbolic_fake_mode(length: int, name: str):
+    """A fresh ``FakeTensorMode`` with its own ``ShapeEnv``, one symbolic size in it (hint
+    ``length``) and that symbol: tspc hands aot_autograd fake inputs whose sequence dims are
+    that symbol, so one trace serves every length (``ShapeEnv``, ``DimDynamic`` and the
+    ``Source`` naming the symbol in guards are private in torch 2.13). Returns
+    ``(fake_mode, shape_env, symint)``."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    symint = shape_env.create_unspecified_symint_and_symbol(
+        length, ConstantSource(name), DimDynamic.DYNAMIC
+    )
+    return mode, shape_env, symint
+
+
+def shape_env_guards(shape_env) -> list:
+    """The sympy expressions a symbolic trace assumed of its sizes (``ShapeEnv.guards``, private
+    in torch 2.13): a length for which one is false needs another trace."""
+    return [g.expr for g in shape_env.guards]

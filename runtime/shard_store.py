@@ -122,6 +122,16 @@ class ShardStore:
     def get(self, full: torch.Tensor) -> ShardedParam | None:
         return self._entries.get(full)
 
+    def scratch_copy(self, tensors) -> ShardStore:
+        """A new store holding this store's entries of ``tensors`` (the same entry objects, so
+        shards already cut are found there and a declaration is checked against them), in which
+        new declarations stay: for running the passes again without changing this store."""
+        copy = ShardStore()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t in self._entries:
+                copy._entries[t] = self._entries[t]
+        return copy
+
     def __contains__(self, full: torch.Tensor) -> bool:
         return full in self._entries
 

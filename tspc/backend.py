@@ -8,7 +8,9 @@ the inner compiler (``tspc/inner.py``).
 A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
 values) is compiled per concrete shape at its first call with that shape: the passes bake the
 local sequence length into shapes, and every rank sees the same shapes in the same order, so all
-ranks compile the same graphs.
+ranks compile the same graphs. With ``options={"dynamic_seq": True}`` the first such length
+that is a multiple of 2D is compiled once for every length of that kind instead
+(``tspc/length_family.py``), and later lengths run that program.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from tspc.passes.analyse import analyse
+from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
@@ -46,6 +49,13 @@ from tspc.runtime.tsp_params import (
 from . import compiles
 from .dump import write_dump
 from .inner import AotGraphs, compile_inner
+from .length_family import (
+    LengthFamily,
+    LengthNotGeneralizable,
+    LengthProbe,
+    family_key,
+    sequence_input,
+)
 from .options import TSPOptions
 from .pipeline import LEVELS, SPECIALIZE, GraphContext, PipelineResult, run_passes, run_pipeline
 from .report import CompileReport, last_graph_id, remember
@@ -139,9 +149,13 @@ def _compile_static(
     opts: TSPOptions,
     why: tuple[str, str],
     dynamo_compile_id: str | None,
+    probe: LengthProbe | None = None,
 ) -> Callable:
     """Run the passes and the inner compiler on a graph with static shapes. ``why`` is the
-    kind and the words of the reason for this compile (``tspc/compiles.py``)."""
+    kind and the words of the reason for this compile (``tspc/compiles.py``). With ``probe``
+    (``dynamic_seq``), the inner compiler gets the rewritten graph generalised over the
+    sequence length when that works (``tspc/length_family.py``; ``probe.failed`` says why
+    not)."""
     graph_id = next(_GRAPH_IDS)
     t0 = time.perf_counter()
     start = {"tsp": "tsp", "sp": "sp", "none": "replicated"}[opts.schedules]
@@ -187,11 +201,17 @@ def _compile_static(
     COMPILED.append(CompiledGraph(report, result, graphs))
     del COMPILED[:-KEEP_COMPILED]
     full_inputs = _static_shard_examples(result.example_inputs(example_inputs), len(example_inputs))
-    t1 = time.perf_counter()
-    compiled = compile_inner(result.gm, full_inputs, opts, graphs)
-    # aot_autograd's trace and partition and the forward's inner compile; the backward's inner
-    # compile runs at the first backward (``AotGraphs.compile_seconds["backward"]``)
-    event.seconds["aot+forward"] = time.perf_counter() - t1
+    compiled = None
+    if probe is not None:
+        compiled = _compile_for_lengths(probe, result, full_inputs, group, opts, event)
+        if compiled is None:  # compiled for this length alone
+            graphs = COMPILED[-1].aot = AotGraphs(compile_seconds=event.seconds)
+    if compiled is None:
+        t1 = time.perf_counter()
+        compiled = compile_inner(result.gm, full_inputs, opts, graphs)
+        # aot_autograd's trace and partition and the forward's inner compile; the backward's
+        # inner compile runs at the first backward (``AotGraphs.compile_seconds["backward"]``)
+        event.seconds["aot+forward"] = time.perf_counter() - t1
     compiles.record(event)
     if opts.dump_dir:
         # Writes the dump now; the wrapper rewrites it after the first call and around the
@@ -235,6 +255,50 @@ def _compile_static(
         group,
         opts.comm_timeout,
     )
+
+
+def _compile_for_lengths(
+    probe: LengthProbe,
+    result: PipelineResult,
+    full_inputs: list[Any],
+    group: TSPGroup,
+    opts: TSPOptions,
+    event: compiles.CompileEvent,
+) -> Callable | None:
+    """The inner compile of the rewritten graph generalised over the sequence length, or None
+    (``probe.failed`` says why; the report notes it) when the graph is not one program for
+    every length or its symbolic trace fails."""
+    report = result.report
+    t0 = time.perf_counter()
+    try:
+        general, inputs = probe.prepare(result, full_inputs, group, opts, report.level)
+    except LengthNotGeneralizable as e:
+        probe.failed = str(e)
+    except Exception as e:  # noqa: BLE001 - reported; the static compile runs instead
+        probe.failed = f"generalising the graph failed: {type(e).__name__}: {e}"
+        log.warning("tspc: dynamic_seq: %s", probe.failed)
+    event.seconds["length probes"] = time.perf_counter() - t0
+    if probe.failed is None:
+        t1 = time.perf_counter()
+        try:
+            compiled = compile_inner(general, inputs, opts, COMPILED[-1].aot)
+        except Exception as e:  # noqa: BLE001 - reported; the static compile runs instead
+            probe.failed = (
+                f"the symbolic trace of the inner compiler failed: {type(e).__name__}: {e}"
+            )
+            log.warning("tspc: dynamic_seq: %s", probe.failed)
+        else:
+            event.seconds["aot+forward"] = time.perf_counter() - t1
+            lengths = ", ".join(str(n) for n in probe.lengths)
+            report.notes.append(
+                f"dynamic_seq: one program for every length that is a multiple of {probe.chunks} "
+                f"(the rewritten graphs at lengths {lengths} generalised; the inner compiler "
+                "traced it with a symbolic length)"
+            )
+            return compiled
+    report.notes.append(f"dynamic_seq: compiled for this length only: {probe.failed}")
+    compiles.log.info("tspc: dynamic_seq: compiled for this length only: %s", probe.failed)
+    return None
 
 
 def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
@@ -344,6 +408,11 @@ class _CompiledTSPGraph:
         return out
 
 
+MAX_FAMILIES = 2
+"""Programs for every length one symbolic graph may get (``dynamic_seq``): the second serves the
+lengths beyond what the first's masks hold at (a sliding window narrower than them)."""
+
+
 class _PerShapeCompiler:
     """Compiles a symbolic-shape graph once per concrete input shape, at first use.
 
@@ -371,12 +440,29 @@ class _PerShapeCompiler:
             for i, n in enumerate(placeholders)
             if any(u.op == "call_method" and u.target == "item" for u in n.users)
         }
+        # dynamic_seq: the programs compiled for every length of a family (a second one for
+        # lengths beyond the first's ``longest``), and whether an attempt failed (a graph that
+        # is no family compiles per length from then on)
+        self.families: list[LengthFamily] = []
+        self.family_failed = False
 
     def __call__(self, *args):
         key = compiles.shape_key(args, self.baked)
         fn = self.cache.get(key)
         if fn is None:
             why = compiles.shape_change(key, list(self.cache), self.names, self.baked)
+            family = next((f for f in self.families if f.covers(args)), None)
+            if family is not None:
+                fn = family.fn
+                compiles.log.info(
+                    "tspc: no compile for the %s: the program compiled for every length "
+                    "(graph %d) runs it",
+                    why[1].split(";")[0],
+                    family.graph_id,
+                )
+                compiles.count_family_run()
+                self.cache[key] = fn
+                return fn(*args)
             with tspc_internal():
                 shape = GraphContext(self.gm.graph, self.opts, self.gm, list(args))
                 run_passes(SPECIALIZE, shape, None, "symbolic graph")
@@ -397,11 +483,53 @@ class _PerShapeCompiler:
                         graph_id,
                     )
                 else:
+                    probe = self._probe(static, list(args))
                     fn = _compile_static(
-                        static, list(args), self.group, self.opts, why, self.dynamo_id
+                        static, list(args), self.group, self.opts, why, self.dynamo_id, probe
                     )
+                    if probe is not None and probe.failed is not None:
+                        self.family_failed = True
+                    if probe is not None and probe.failed is None:
+                        self.families.append(
+                            LengthFamily(
+                                fn,
+                                last_graph_id(),
+                                probe.seq,
+                                probe.chunks,
+                                family_key(args, self.baked, probe.seq),
+                                self.baked,
+                                probe.shape_env,
+                                probe.symbol,
+                                probe.lengths,
+                                probe.longest,
+                            )
+                        )
             self.cache[key] = fn
         return fn(*args)
+
+    def _probe(self, static: fx.GraphModule, args: list[Any]) -> LengthProbe | None:
+        """An attempt at one program for every length (``dynamic_seq``), or None. Made at the
+        graph's first length that splits into 2D chunks, and once more for a length beyond the
+        first program's ``longest``; never again after an attempt failed."""
+        if not self.opts.dynamic_seq or self.family_failed or len(self.families) >= MAX_FAMILIES:
+            return None
+        try:
+            seq = sequence_input(self.gm, args, find_sequence_length(static))
+        except LengthNotGeneralizable as e:
+            self.family_failed = True
+            compiles.log.info("tspc: dynamic_seq: compiled for this length only: %s", e)
+            return None
+        chunks = 2 * self.group.size
+        if args[seq.index] % chunks:
+            compiles.log.info(
+                "tspc: dynamic_seq: length %d is padded to a multiple of 2D = %d: compiled for "
+                "this length only (the program for every length is made at the first length "
+                "that is a multiple)",
+                args[seq.index],
+                chunks,
+            )
+            return None
+        return LengthProbe(self.gm, args, seq, chunks, run_pipeline)
 
 
 def tsp_backend(

@@ -8,7 +8,8 @@ kind, so tspc counts and logs both:
 
 * ``EVENTS`` / ``events()``: the records of this process (bounded, oldest first);
 * ``torch._dynamo.utils.counters["tspc"]``: ``compiles`` and one ``reason:<kind>`` count per
-  kind of reason, next to Dynamo's own ``counters["stats"]`` (cleared with them by
+  kind of reason (and, with ``dynamic_seq``, ``runs_without_compile``: new shapes that a program
+  compiled for every length ran), next to Dynamo's own ``counters["stats"]`` (cleared with them by
   ``torch._dynamo.reset()`` callers that clear counters; ``events()`` is tspc's own);
 * the logger ``tspc.compiles`` (this module's name) logs one line per compile at INFO:
   ``TORCH_LOGS="tspc.compiles"`` (or ``TORCH_LOGS="tspc"`` for all of tspc's INFO lines) turns
@@ -83,6 +84,12 @@ def record(event: CompileEvent) -> None:
     c["compiles"] += 1
     c[f"reason:{event.kind}"] += 1
     log.info("%s", event.line())
+
+
+def count_family_run() -> None:
+    """A new shape that a program compiled for every length of its family ran, with no
+    compile (``tspc/length_family.py``): ``counters["tspc"]["runs_without_compile"]``."""
+    dynamo_counters()["tspc"]["runs_without_compile"] += 1
 
 
 def events(after_graph: int = -1) -> list[CompileEvent]:

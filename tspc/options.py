@@ -54,6 +54,10 @@ class TSPOptions:
     loss_chunk: tokens per chunk of the language-model head + cross-entropy
         (``passes/chunk_loss.py``: no tokens x vocab tensor saved for the backward); None
         (default) picks about 8M logits a chunk, 0 leaves the loss as traced.
+    dynamic_seq: a graph Dynamo traced with a symbolic sequence length is compiled once for
+        every length that is a multiple of 2D (``tspc/length_family.py``): a new length runs
+        the compiled program, with no pass and no inner compile. Off (default): each new
+        length is one compile of the passes and the inner compiler.
     """
 
     group: Any = None
@@ -69,6 +73,7 @@ class TSPOptions:
     check_inputs: bool = False
     recompute: str = "none"
     loss_chunk: int | None = None
+    dynamic_seq: bool = False
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -86,7 +91,7 @@ class TSPOptions:
         for name, choices in _CHOICES.items():
             if name in options and options[name] not in choices:
                 raise OptionError(f"option {name}={options[name]!r} is not one of {list(choices)}")
-        for name in ("overlap", "strict", "check_inputs"):
+        for name in ("overlap", "strict", "check_inputs", "dynamic_seq"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
         if options.get("recompute", "none") != "none" and options.get("inner") == "eager":

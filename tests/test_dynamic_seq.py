@@ -1,0 +1,176 @@
+"""``options={"dynamic_seq": True}``: a new sequence length runs the program already compiled.
+
+Once Dynamo has seen two lengths it traces the model with a symbolic length; tspc then compiles
+one program for every length that is a multiple of 2D (``tspc/length_family.py``), and later
+lengths run it with no pass and no inner compile. Counted three independent ways (Dynamo's
+counters, calls of the inner compiler, tspc's compile records) and checked against one process
+(outputs and every gradient) at every length. The rewriting itself is checked on plain graphs
+here (``passes/generalize_length.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+
+from tests.helpers import HF_SMALL, grad_error
+from tspc.launch import spawn
+from tspc.passes.generalize_length import LengthNotGeneralizable, generalize_sequence_length
+
+# --------------------------------------------------------------------------- graphs alone
+
+
+def _graph(length: int, rows) -> fx.GraphModule:
+    """``x.view(2, rows(length), -1)`` on an input of ``2 * length * 4`` numbers (the shape
+    a pass would have baked), with the length as an unused int input like a specialised
+    Dynamo graph."""
+    g = fx.Graph()
+    s = g.placeholder("s0")
+    x = g.placeholder("x")
+    v = g.call_method("view", (x, 2, rows(length), -1))
+    g.output(g.call_function(operator.mul, (v, 2.0)))
+    del s
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_lengths_become_arithmetic_on_the_length_input():
+    """Numbers affine in S / 2D become nodes computing them from the length input, so the
+    graph runs at a length it was never built for; other numbers stay as they are."""
+    lengths = (8, 12, 20)  # D = 2: multiples of 2D = 4
+    graphs = [_graph(n, lambda n: n // 2 + 1) for n in lengths]  # rank-local rows + 1
+    gm = generalize_sequence_length(graphs, lengths, "s0", 4)
+    for n in (4, 16, 28):
+        x = torch.randn(2 * (n // 2 + 1) * 3)
+        assert torch.equal(gm(n, x), x.view(2, n // 2 + 1, -1) * 2.0)
+    assert sum(n.op == "call_function" and n.target is operator.floordiv for n in gm.graph.nodes)
+
+
+def test_numbers_not_affine_in_the_length_are_refused():
+    """A number that is not ``a * (S / 2D) + b`` at all three lengths (here S * S / 16), or a
+    graph that is another graph at one length, is refused, never guessed."""
+    lengths = (8, 12, 20)
+    quadratic = [_graph(n, lambda n: n * n // 16) for n in lengths]
+    with pytest.raises(LengthNotGeneralizable, match="no a \\* \\(S / 2D\\) \\+ b"):
+        generalize_sequence_length(quadratic, lengths, "s0", 4)
+    other = [_graph(n, lambda n: n // 2) for n in lengths]
+    other[2].graph.call_function(torch.relu, (next(iter(other[2].graph.nodes)),))
+    with pytest.raises(LengthNotGeneralizable, match="nodes at lengths"):
+        generalize_sequence_length(other, lengths, "s0", 4)
+
+
+# --------------------------------------------------------------------------- gloo, D = 2
+
+# The reference model under Dynamo's automatic dynamic shapes: two steps at the first length
+# (Dynamo's static trace), the second length (Dynamo's symbolic trace: tspc compiles the family
+# program), then lengths that program runs: longer, shorter, the first again; last a length that
+# must be padded (not a multiple of 2D): compiled alone. Llama (its loss in the graph) with
+# ``dynamic=True``: symbolic from the first call, which compiles the family program. Mistral with
+# a sliding window of 32 (``dynamic=True``): at 24 the window is wider than the sequence and the
+# mask is plain causal, so that program serves lengths up to 32 only; 40 gets a second program
+# (with the window), which 64 runs; 32 and 8 run the first.
+LENGTHS = {
+    "reference": (16, 16, 24, 40, 8, 16, 18),
+    "llama": (16, 16, 24, 40),
+    "mistral": (24, 40, 32, 64, 8),
+}
+COMPILES = {
+    "reference": [1, 0, 1, 0, 0, 0, 1],
+    "llama": [1, 0, 0, 0],
+    "mistral": [1, 1, 0, 0, 0],
+}
+
+
+def _dynamic_steps(rank, world):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tspc.backend as backend
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+    from tspc.runtime.compat import dynamo_counters
+
+    inner_calls = []
+    compile_inner = backend.compile_inner
+
+    def counting(*args, **kwargs):
+        inner_calls.append(1)
+        return compile_inner(*args, **kwargs)
+
+    backend.compile_inner = counting
+    results = {}
+    for family in LENGTHS:
+        torch._dynamo.reset()
+        dynamo_counters().clear()
+        inner_calls.clear()
+        if family == "reference":
+            kw = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4)
+            ref, model = (build_reference_model(**kw, num_kv_heads=2) for _ in range(2))
+        else:
+            cfg = AutoConfig.for_model(family, **HF_SMALL)
+            cfg._attn_implementation = "sdpa"
+            if family == "mistral":
+                cfg.sliding_window = 32
+            torch.manual_seed(0)
+            ref = AutoModelForCausalLM.from_config(cfg).train()
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg).train()
+        options = {"inner": "aot_eager", "dynamic_seq": True}
+        dynamic = None if family == "reference" else True
+        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
+        first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+        steps = []
+        for s in LENGTHS[family]:
+            before = len(inner_calls)
+            ids = torch.randint(1, 128, (2, s), generator=torch.Generator().manual_seed(s))
+            if family == "reference":
+                expected, got = ref(ids), cm(ids)
+                loss_ref, loss = expected.float().square().mean(), got.float().square().mean()
+            else:  # the loss inside the graph
+                expected, got = ref(input_ids=ids, labels=ids), cm(input_ids=ids, labels=ids)
+                loss_ref, loss = expected.loss, got.loss
+                expected, got = expected.logits, got.logits
+            out_err = ((got - expected).abs().max() / expected.abs().max()).item()
+            loss_ref.backward()
+            loss.backward()
+            err, _ = grad_error(ref, model)
+            ref.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            steps.append(
+                {"length": s, "compiles": len(inner_calls) - before, "out": out_err, "grad": err}
+            )
+        results[family] = {
+            "steps": steps,
+            "unique_graphs": dynamo_counters()["stats"]["unique_graphs"],
+            "tspc": dict(dynamo_counters()["tspc"]),
+            "kinds": [e.kind for e in compiles.events(first)],
+        }
+    backend.compile_inner = compile_inner
+    return results
+
+
+@pytest.mark.slow
+def test_new_lengths_run_the_compiled_program():
+    from tspc import compiles
+
+    for per_rank in spawn(_dynamic_steps, 2, timeout=900):
+        for family, r in per_rank.items():
+            for step in r["steps"]:  # every length equals one process
+                assert step["out"] < 1e-5 and step["grad"] < 1e-5, (family, step)
+            # inner compiles: the reference model's first length (Dynamo's static trace), its
+            # second (the family program) and its padded length; Llama's first (the family
+            # program); Mistral's first and the first beyond its window; none at a second step
+            # or at any other new length
+            assert [s["compiles"] for s in r["steps"]] == COMPILES[family], (family, r)
+        ref, llama, mistral = per_rank["reference"], per_rank["llama"], per_rank["mistral"]
+        assert ref["unique_graphs"] == 2  # Dynamo's traces: static, then symbolic
+        assert llama["unique_graphs"] == mistral["unique_graphs"] == 1
+        kinds = [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+        assert ref["kinds"] == kinds and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
+        assert mistral["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+        # run by a family program with no compile: 40, 8 and 16 again; Llama's 24 and 40;
+        # Mistral's 32, 64 and 8
+        assert ref["tspc"]["compiles"] == 3 and ref["tspc"]["runs_without_compile"] == 3, ref
+        assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2
+        assert mistral["tspc"]["compiles"] == 2 and mistral["tspc"]["runs_without_compile"] == 3
