@@ -11,6 +11,7 @@ here (``passes/generalize_length.py``).
 from __future__ import annotations
 
 import operator
+import os
 
 import pytest
 import torch
@@ -76,6 +77,8 @@ LENGTHS = {
     "llama": (16, 16, 24, 40),
     "mistral": (24, 40, 32, 64, 8),
 }
+if not os.environ.get("TSPC_EXTENDED"):  # Mistral covers the same path (HF, loss in graph)
+    del LENGTHS["llama"]
 COMPILES = {
     "reference": [1, 0, 1, 0, 0, 0, 1],
     "llama": [1, 0, 0, 0],
@@ -84,12 +87,7 @@ COMPILES = {
 
 
 def _dynamic_steps(rank, world):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import tspc.backend as backend
-    from samples.reference_model import build_reference_model
-    from tspc import compiles
-    from tspc.runtime.compat import dynamo_counters
 
     inner_calls = []
     compile_inner = backend.compile_inner
@@ -99,6 +97,19 @@ def _dynamic_steps(rank, world):
         return compile_inner(*args, **kwargs)
 
     backend.compile_inner = counting
+    try:  # a pooled worker runs later tests: the counting wrapper must not outlive this one
+        return _steps_per_family(inner_calls)
+    finally:
+        backend.compile_inner = compile_inner
+
+
+def _steps_per_family(inner_calls: list) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+    from tspc.runtime.compat import dynamo_counters
+
     results = {}
     for family in LENGTHS:
         torch._dynamo.reset()
@@ -146,7 +157,6 @@ def _dynamic_steps(rank, world):
             "tspc": dict(dynamo_counters()["tspc"]),
             "kinds": [e.kind for e in compiles.events(first)],
         }
-    backend.compile_inner = compile_inner
     return results
 
 
@@ -163,14 +173,16 @@ def test_new_lengths_run_the_compiled_program():
             # program); Mistral's first and the first beyond its window; none at a second step
             # or at any other new length
             assert [s["compiles"] for s in r["steps"]] == COMPILES[family], (family, r)
-        ref, llama, mistral = per_rank["reference"], per_rank["llama"], per_rank["mistral"]
+        ref, mistral = per_rank["reference"], per_rank["mistral"]
         assert ref["unique_graphs"] == 2  # Dynamo's traces: static, then symbolic
-        assert llama["unique_graphs"] == mistral["unique_graphs"] == 1
+        assert mistral["unique_graphs"] == 1
         kinds = [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
-        assert ref["kinds"] == kinds and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
+        assert ref["kinds"] == kinds
         assert mistral["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
         # run by a family program with no compile: 40, 8 and 16 again; Llama's 24 and 40;
         # Mistral's 32, 64 and 8
         assert ref["tspc"]["compiles"] == 3 and ref["tspc"]["runs_without_compile"] == 3, ref
-        assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2
+        if llama := per_rank.get("llama"):  # extended tier
+            assert llama["unique_graphs"] == 1 and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
+            assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2
         assert mistral["tspc"]["compiles"] == 2 and mistral["tspc"]["runs_without_compile"] == 3
