@@ -157,10 +157,15 @@ def broadcast_start(
     """Broadcast a flat buffer of ``numel`` elements from ``src``; ``x`` is this rank's own
     buffer, sent when this rank is the source (the sources' buffers may differ in size)."""
     pg = process_group(group)
-    buf = x.new_empty((numel,))
     is_src = dist.get_rank(pg) == src
     if is_src:
-        buf.copy_(x.reshape(-1))
+        # The source sends its own buffer (a broadcast only reads it there) and copies it for
+        # the result when the transfer is done: one copy of the shard in flight, not two.
+        buf = x.contiguous().reshape(-1)
+        work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
+        _count("broadcast", tag, buf, world, is_src)
+        return _register([work], buf.clone, "broadcast", tag, (x, buf))
+    buf = x.new_empty((numel,))
     work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
     _count("broadcast", tag, buf, world, is_src)
     return _register([work], lambda: buf, "broadcast", tag, (x,))
@@ -185,12 +190,14 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    # The source's buffer gets the sum of every rank's gradient; the others get zeros. A rank
-    # that is not the source may hold a buffer of another size: reduce a buffer shaped like
-    # the source's, then keep the part shaped like our own.
+    # The source's buffer gets the sum of every rank's gradient; the others get none: every
+    # rank takes part in the reduce, but a rank that is not the source drops what it gets
+    # back at once. (Zeros here would be a buffer of the source's size alive until autograd
+    # adds it to this rank's own buffer's gradient: up to two such buffers, a head group's
+    # weights each, were alive at the backward's peak.)
     g = reduce(grad, ctx.src, ctx.group, ctx.world, ctx.tag)
-    if g.numel() != ctx.x_numel:
-        g = g.new_zeros(ctx.x_numel)
+    if dist.get_rank(process_group(ctx.group)) != ctx.src:
+        return None, None, None, None, None, None, None
     return None, g, None, None, None, None, None
 
 
@@ -209,13 +216,16 @@ def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) ->
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
     _count("reduce", tag, buf, world, is_dst)
 
+    dtype = x.dtype
+
     def finish():
         # Non-destination ranks hold no gradient for this shard: return zeros, not the
         # partially reduced scratch that some backends leave in the buffer.
         out = buf if is_dst else buf.zero_()
-        return out.to(x.dtype)
+        return out.to(dtype)
 
-    return _register([work], finish, "reduce", tag, (x,))
+    # x is not kept: what travels is its copy (``reduce`` lets x die at the start)
+    return _register([work], finish, "reduce", tag, ())
 
 
 reduce_start.register_fake(lambda x, dst, group, world, tag: _handle_fake(x))
@@ -353,6 +363,10 @@ reduce_scatter_wait.register_fake(
 def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
     """Send ``x`` to rank ``(r + shift) % D`` and receive the same-shaped buffer from
     ``(r - shift) % D``: one hop of a ring when ``shift`` is +1 or -1."""
+    return _ring_hop_start(x, shift, group, world, tag)
+
+
+def _ring_hop_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
     pg = process_group(group)
     rank = dist.get_rank(pg)
     xc = x.contiguous()
@@ -382,6 +396,34 @@ ring_wait.register_fake(
     )
 )
 
+
+# A hop of one sub-shard chunk of the MLP ring (``ring_mlp(..., hop_chunks=k)``): the same
+# transfer as ``ring_start``/``ring_wait``. A distinct op because the overlap scheduler must leave
+# these where the ring placed them: each chunk's hop is waited right after the compute it
+# overlaps, so that its send buffer dies and only about one chunk per stream is in flight. The
+# scheduler's rule for whole-shard hops (wait at the first use, one step later) would keep
+# every chunk's send buffer alive for a step: two shards again.
+@torch.library.custom_op("tspc::ring_chunk_start", mutates_args=())
+def ring_chunk_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
+    return _ring_hop_start(x, shift, group, world, tag)
+
+
+ring_chunk_start.register_fake(lambda x, shift, group, world, tag: _handle_fake(x))
+
+
+@torch.library.custom_op("tspc::ring_chunk_wait", mutates_args=())
+def ring_chunk_wait(
+    handle: torch.Tensor, x: torch.Tensor, shift: int, group: str, world: int, tag: str
+) -> torch.Tensor:
+    return _complete(handle)
+
+
+ring_chunk_wait.register_fake(
+    lambda handle, x, shift, group, world, tag: torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+)
+
 # --------------------------------------------------------------------------- all-reduce
 
 
@@ -394,7 +436,9 @@ def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str)
     buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
     _count("all_reduce", tag, buf, world)
-    return _register([work], lambda: buf.to(x.dtype), "all_reduce", tag, (x,))
+    dtype = x.dtype
+    # x is not kept: what travels is its copy (the graph keeps x as long as it needs it)
+    return _register([work], lambda: buf.to(dtype), "all_reduce", tag, ())
 
 
 all_reduce_start.register_fake(lambda x, op, group, world, tag: _handle_fake(x))
@@ -439,6 +483,8 @@ _side_effectful(
     torch.ops.tspc.reduce_scatter_wait,
     torch.ops.tspc.ring_start,
     torch.ops.tspc.ring_wait,
+    torch.ops.tspc.ring_chunk_start,
+    torch.ops.tspc.ring_chunk_wait,
     torch.ops.tspc.all_reduce_start,
     torch.ops.tspc.all_reduce_wait,
 )
@@ -450,6 +496,7 @@ START_TO_WAIT = {
     torch.ops.tspc.all_gather_start.default: torch.ops.tspc.all_gather_wait.default,
     torch.ops.tspc.reduce_scatter_start.default: torch.ops.tspc.reduce_scatter_wait.default,
     torch.ops.tspc.ring_start.default: torch.ops.tspc.ring_wait.default,
+    torch.ops.tspc.ring_chunk_start.default: torch.ops.tspc.ring_chunk_wait.default,
     torch.ops.tspc.all_reduce_start.default: torch.ops.tspc.all_reduce_wait.default,
 }
 START_KIND = {
@@ -458,9 +505,12 @@ START_KIND = {
     torch.ops.tspc.all_gather_start.default: "all_gather",
     torch.ops.tspc.reduce_scatter_start.default: "reduce_scatter",
     torch.ops.tspc.ring_start.default: "ring",
+    torch.ops.tspc.ring_chunk_start.default: "ring",
     torch.ops.tspc.all_reduce_start.default: "all_reduce",
 }
 WAIT_OPS = frozenset(START_TO_WAIT.values())
+# Transfers the overlap scheduler leaves where the code that issued them put them.
+FIXED_STARTS = frozenset({torch.ops.tspc.ring_chunk_start.default})
 
 
 def is_transfer_start(node) -> bool:
@@ -487,9 +537,16 @@ def broadcast(x, src, numel, group, world, tag):
 
 
 def reduce(x, dst, group, world, tag):
-    return torch.ops.tspc.reduce_wait(
-        torch.ops.tspc.reduce_start(x, dst, group, world, tag), x, dst, group, world, tag
-    )
+    h = torch.ops.tspc.reduce_start(x, dst, group, world, tag)
+    # The wait reads only x's shape and dtype (its result is the reduce's own buffer): a
+    # zero-stride stand-in lets x die once the start has copied it, instead of living beside
+    # the copy until the wait (a head group's weight gradient per reduce in flight).
+    return torch.ops.tspc.reduce_wait(h, _shape_of(x), dst, group, world, tag)
+
+
+def _shape_of(x: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``x``'s shape and dtype and one element of storage."""
+    return x.new_empty(()).expand(x.shape)
 
 
 def all_gather(x, dim, outer, inner, reduce_grad, group, world, tag):
@@ -510,3 +567,11 @@ def ring_hop(x, shift, group, world, tag):
 def all_reduce(x, op, group, world, tag):
     h = torch.ops.tspc.all_reduce_start(x, op, group, world, tag)
     return torch.ops.tspc.all_reduce_wait(h, x, op, group, world, tag)
+
+
+def all_reduce_gradient(x, group, world, tag):
+    """The sum over ranks of a gradient, in a backward: no gradient flows through it, so the
+    wait gets a stand-in for ``x`` (see ``reduce``) and ``x`` dies once the start has copied
+    it (an embedding's or LM head's whole gradient, otherwise alive twice until the wait)."""
+    h = torch.ops.tspc.all_reduce_start(x, "sum", group, world, tag)
+    return torch.ops.tspc.all_reduce_wait(h, _shape_of(x), "sum", group, world, tag)

@@ -16,6 +16,7 @@ from samples.reference_model import RefConfig
 from tests.helpers import grad_error
 from tspc.launch import spawn
 from tspc.options import OptionError, TSPOptions
+from tspc.passes.rewrite_mlp import RECOMPUTED_RING_CHUNKS
 from tspc.tools.measure import measure, measure_rank
 from tspc.tools.plan import ModelShape
 
@@ -26,6 +27,11 @@ MEM_SEQ, MEM_BATCH = 512, 1
 
 def test_recompute_option_is_validated():
     assert TSPOptions.from_dict({}).recompute == "none"
+    assert TSPOptions.from_dict({}).ring_chunks is None
+    assert TSPOptions.from_dict({"ring_chunks": 8}).ring_chunks == 8
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(OptionError, match="ring_chunks must be a number of chunks >= 1"):
+            TSPOptions.from_dict({"ring_chunks": bad})
     assert TSPOptions.from_dict({"recompute": "full"}).recompute == "full"
     with pytest.raises(OptionError, match="recompute='blocks' is not one of"):
         TSPOptions.from_dict({"recompute": "blocks"})
@@ -97,6 +103,7 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
             ("broadcast", torch.ops.tspc.broadcast_start.default),
             ("all_gather", torch.ops.tspc.all_gather_start.default),
             ("ring", torch.ops.tspc.ring_start.default),
+            ("ring_chunk", torch.ops.tspc.ring_chunk_start.default),
         ):
             res[kind] = (starts(cg.aot.forward_gms, op), starts(cg.aot.backward_gms, op))
         out[policy] = res
@@ -142,9 +149,13 @@ def _check(results: list[dict], policies: list[str]) -> None:
         # (which rebuilds each shard's projections from the weights it receives), except the
         # last block's: its output feeds the final norm, outside every recomputed region, and
         # the partitioner rebuilds it rather than saving it (one layer's D - 1 hops).
+        # A recomputed block's ring hops in RECOMPUTED_RING_CHUNKS sub-shard chunks (the
+        # others whole): counted here in whole-shard hops.
         fb, bb = r["full"]["broadcast"]
         fg, bg = r["full"]["all_gather"]
-        fr, br = r["full"]["ring"]
+        assert r["full"]["ring"] == (0, 0) and r["selective"]["ring_chunk"] == (0, 0), r
+        assert r["none"]["ring_chunk"] == (0, 0), r
+        fr, br = (n / RECOMPUTED_RING_CHUNKS for n in r["full"]["ring_chunk"])
         nb, nbb = r["none"]["broadcast"]
         assert fb == nb and bb == 2 * fb and nbb == fb, r
         assert fg == r["none"]["all_gather"][0] and bg > r["none"]["all_gather"][1], r

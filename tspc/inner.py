@@ -45,11 +45,13 @@ _RECOMPUTE_STARTS = (
     torch.ops.tspc.broadcast_start.default,
     torch.ops.tspc.all_gather_start.default,
     torch.ops.tspc.ring_start.default,
+    torch.ops.tspc.ring_chunk_start.default,
 )
 _RECOMPUTE_WAITS = (
     torch.ops.tspc.broadcast_wait.default,
     torch.ops.tspc.all_gather_wait.default,
     torch.ops.tspc.ring_wait.default,
+    torch.ops.tspc.ring_chunk_wait.default,
 )
 
 

@@ -54,6 +54,11 @@ class TSPOptions:
     loss_chunk: tokens per chunk of the language-model head + cross-entropy
         (``passes/chunk_loss.py``: no tokens x vocab tensor saved for the backward); None
         (default) picks about 8M logits a chunk, 0 leaves the loss as traced.
+    ring_chunks: the MLP ring's hops in this many sub-shard chunks (``ring_mlp(...,
+        hop_chunks=)``): about one shard and one chunk of weights (and, in backward, of
+        gradient accumulators) in flight instead of two shards, for the same bytes in more
+        hops. None (default): 4 for the rings of recomputed blocks (``recompute``, or a
+        user's checkpoint), where the ring's buffers are what is left at the peak, else 1.
     """
 
     group: Any = None
@@ -69,6 +74,7 @@ class TSPOptions:
     check_inputs: bool = False
     recompute: str = "none"
     loss_chunk: int | None = None
+    ring_chunks: int | None = None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -97,6 +103,9 @@ class TSPOptions:
         c = options.get("loss_chunk")
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
             raise OptionError(f"option loss_chunk must be a number of tokens >= 0, got {c!r}")
+        c = options.get("ring_chunks")
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise OptionError(f"option ring_chunks must be a number of chunks >= 1, got {c!r}")
         if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):
             options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
         t = options.get("comm_timeout")
