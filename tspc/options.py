@@ -57,7 +57,7 @@ class TSPOptions:
     ring_chunks: the MLP ring's hops in this many sub-shard chunks (``ring_mlp(...,
         hop_chunks=)``): about one shard and one chunk of weights (and, in backward, of
         gradient accumulators) in flight instead of two shards, for the same bytes in more
-        hops. None (default): 4 for the rings of recomputed blocks (``recompute``, or a
+        hops. None (default): 8 for the rings of recomputed blocks (``recompute``, or a
         user's checkpoint), where the ring's buffers are what is left at the peak, else 1.
     """
 
