@@ -3,6 +3,8 @@
     python bench/memory.py                        # every configuration, forward and training
     python bench/memory.py --config both --mode train
     python bench/memory.py --quick                # tiny shapes, seconds per row (the test's run)
+    python bench/memory.py --config weights --mode train --devices 4 --recompute \
+        --schemes tsp_rc tp_sp_rc                 # only some rows
 
 One model, one sequence length, one table per configuration and mode. Every row is a real
 gloo run (``tspc.launch.spawn``, one intra-op thread per process) of the reference model
@@ -154,6 +156,9 @@ class Scheme:
 
 
 RECOMPUTE_SUFFIX = "_rc"
+SCHEME_KEYS = ("one_aot", "one_eager", "tsp", "sp", "tp", "tp_sp") + tuple(
+    k + RECOMPUTE_SUFFIX for k in ("tsp", "sp", "tp", "tp_sp")
+)
 
 
 def schemes(devices: tuple[int, ...] = DEVICES, recompute: bool = False) -> list[Scheme]:
@@ -348,10 +353,16 @@ class Table:
 
     @property
     def reference(self) -> Row:
-        ref = self.row("one_aot", 1) or self.row("one_eager", 1)
+        ref = self.reference_or_none
         if ref is None:
             raise ValueError("no one-process row")
         return ref
+
+    @property
+    def reference_or_none(self) -> Row | None:
+        """The one-process row the ratios and the bound refer to (absent when ``--schemes``
+        left both one-process rows out)."""
+        return self.row("one_aot", 1) or self.row("one_eager", 1)
 
     def bound(self, devices: int) -> float:
         """The must-show bound for TSP at D: 1.25 * (one-process peak / D) + 2 weight shards."""
@@ -369,16 +380,15 @@ class Table:
         out = []
         for d in sorted({r.devices for r in self.rows if r.devices > 1}):
             tsp = self.row("tsp", d)
-            if tsp is None:
-                continue
-            bound = self.bound(d)
-            out.append(
-                (
-                    f"TSP D={d}: peak {tsp.peak / MB:.2f} MB <= {BOUND_FACTOR} x one/{d} + "
-                    f"{BOUND_SHARDS} shards = {bound / MB:.2f} MB",
-                    tsp.peak <= bound,
+            if tsp is not None and self.reference_or_none is not None:
+                bound = self.bound(d)
+                out.append(
+                    (
+                        f"TSP D={d}: peak {tsp.peak / MB:.2f} MB <= {BOUND_FACTOR} x one/{d} + "
+                        f"{BOUND_SHARDS} shards = {bound / MB:.2f} MB",
+                        tsp.peak <= bound,
+                    )
                 )
-            )
             others = [
                 r
                 for r in self.rows
@@ -400,7 +410,7 @@ class Table:
                         all(tsp_rc.peak < r.peak for r in rc_others),
                     )
                 )
-            if others and self.config.name == "both" and d == 4:
+            if tsp is not None and others and self.config.name == "both" and d == 4:
                 worst = min(others, key=lambda r: r.peak)
                 out.append(
                     (
@@ -429,24 +439,19 @@ def format_table(table: Table) -> str:
         if table.mode == "train"
         else "forward (loss under no_grad)"
     )
-    ref = table.reference
+    ref = table.reference_or_none
     lines = [
         f"config '{cfg.name}' ({cfg.description}): {cfg.summary()}; {what}",
         "per-rank peak in MB (1e6 B), max over ranks; the columns split that rank's peak; "
-        f"x one: peak / one-process peak ({ref.label}); x(one/D): peak / (one-process peak / D)",
+        f"x one: peak / one-process peak ({ref.label if ref else 'not run'}); "
+        "x(one/D): peak / (one-process peak / D)",
     ]
     headers = ["scheme", "D", "peak", "x one", "x(one/D)"] + [c for c, _ in COLUMNS]
     rows = []
     for r in table.rows:
         parts = dict(r.parts)
         parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
-        cells = [
-            r.label,
-            str(r.devices),
-            f"{r.peak / MB:.2f}",
-            f"{r.peak / ref.peak:.3f}",
-            f"{r.peak / (ref.peak / r.devices):.2f}",
-        ]
+        cells = [r.label, str(r.devices), f"{r.peak / MB:.2f}", *_ratios(r, ref)]
         cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
         rows.append(cells)
     widths = [max(len(x[i]) for x in [headers, *rows]) for i in range(len(headers))]
@@ -480,25 +485,27 @@ def format_table(table: Table) -> str:
     return "\n".join(lines)
 
 
+def _ratios(row: Row, ref: Row | None) -> list[str]:
+    """x one and x(one/D), or dashes when the one-process row was not run."""
+    if ref is None:
+        return ["-", "-"]
+    return [f"{row.peak / ref.peak:.3f}", f"{row.peak / (ref.peak / row.devices):.2f}"]
+
+
 def _devices_in(table: Table) -> list[int]:
     return sorted({r.devices for r in table.rows if r.devices > 1})
 
 
 def markdown_table(table: Table) -> str:
     """The same table as GitHub markdown (for the README)."""
-    ref = table.reference
+    ref = table.reference_or_none
     head = "| scheme | D | peak MB | x one | x(one/D) | " + " | ".join(c for c, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (5 + len(COLUMNS))]
     for r in table.rows:
         parts = dict(r.parts)
         parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
-        cells = [
-            r.label,
-            str(r.devices),
-            f"{r.peak / MB:.2f}",
-            f"{r.peak / ref.peak:.3f}",
-            f"{r.peak / (ref.peak / r.devices):.2f}",
-        ] + [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
+        cells = [r.label, str(r.devices), f"{r.peak / MB:.2f}", *_ratios(r, ref)]
+        cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -565,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
         "recomputation (TSP/SP: options recompute='full'; TP, TP+SP: torch.utils.checkpoint "
         "per decoder block)",
     )  # fmt: skip
+    parser.add_argument(
+        "--schemes", nargs="+", default=None, metavar="KEY",
+        help="run only these rows (keys: " + ", ".join(SCHEME_KEYS) + "; e.g. "
+        "'--recompute --schemes tsp_rc tp_sp_rc'); ratios and the bound need a one-process row",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables too")
     return parser
@@ -598,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     devices = tuple(args.devices)
     if any(d < 2 for d in devices):
         parser.error("--devices must be >= 2 (the one-process rows are always included)")
+    only = tuple(args.schemes) if args.schemes else None
+    unknown = sorted(set(only or ()) - set(SCHEME_KEYS))
+    if unknown:
+        parser.error(f"unknown --schemes {unknown}; known: {', '.join(SCHEME_KEYS)}")
+    if only and not args.recompute and any(k.endswith(RECOMPUTE_SUFFIX) for k in only):
+        parser.error("the *_rc rows need --recompute")
     results = []
     for cfg in configs_from_args(args):
         for mode in modes:
@@ -607,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
                 mode,
                 devices,
                 args.baseline_backend,
+                only=only,
                 recompute=args.recompute,
                 progress=lambda r: print(
                     f"   {r.label} D={r.devices}: {r.peak / MB:.2f} MB ({r.seconds:.0f} s)",

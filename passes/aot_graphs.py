@@ -23,6 +23,7 @@ _RECOMPUTE_STARTS = (
     torch.ops.tspc.broadcast_start.default,
     torch.ops.tspc.all_gather_start.default,
     torch.ops.tspc.ring_start.default,
+    torch.ops.tspc.ring_chunk_start.default,
 )
 
 

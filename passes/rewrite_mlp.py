@@ -140,3 +140,30 @@ def rewrite_mlp(
         shard_numel=numel,
         predicted_recv_bytes=(D - 1) * numel * elem,
     )
+
+
+# Sub-shard hops for the rings of recomputed blocks when the option does not say (options.py):
+# there the ring's four buffers (weights in use and in flight, accumulators arriving and
+# leaving: four shards) were the largest thing at the backward's peak; in c chunks they are
+# about (2c + 3) / c shards. Measured on the 'weights' bench config at D = 4 (fake tensors,
+# per-rank peak): 2 chunks 91.25 MB, 4: 89.40, 8: 88.48, 16: 88.16 (then the peak is the
+# optimizer step's, not the ring's).
+RECOMPUTED_RING_CHUNKS = 8
+
+
+def set_ring_hop_chunks(gm: fx.GraphModule, chunks: int | None) -> int:
+    """Give every MLP ring call its ``hop_chunks``: ``chunks`` if given, else
+    ``RECOMPUTED_RING_CHUNKS`` for a ring that saves no projection (a recomputed block's,
+    ``passes/recompute.py``) and 1 for the others. Returns the number of rings that hop in
+    chunks."""
+    chunked = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not ring_mlp:
+            continue
+        c = chunks
+        if c is None:
+            recomputed = not n.kwargs.get("save_projections", True)
+            c = RECOMPUTED_RING_CHUNKS if recomputed else 1
+        n.kwargs = {**n.kwargs, "hop_chunks": c}
+        chunked += c > 1
+    return chunked

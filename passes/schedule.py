@@ -24,6 +24,10 @@ only reorders nodes, in three phases over the whole graph:
      alive across the other layers' backward.
    * gradient ring hops, reduce, reduce-scatter and all-reduce starts have no window: they go
      as soon as their data is ready (their producers are pulled ahead of other compute).
+   * the MLP ring's sub-shard hops (``ring_chunk_start``, ``ring_mlp(..., hop_chunks=k)``)
+     do not move, nor do their waits: the ring issues each before the chunk's compute and
+     waits it right after, which is what keeps about one chunk in flight. They still count in
+     the weight stream, so the next weight transfer waits for the ring's last hop.
 3. **Waits on results nobody needs soon** (reduce of a weight gradient to its owner,
    reduce-scatter of dK/dV, all-reduce of replicated gradients) move down, together with the
    cheap (non-GEMM) compute that consumes them, to just before their first GEMM or
@@ -60,6 +64,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.comm import (
+    FIXED_STARTS,
     START_KIND,
     is_transfer,
     is_transfer_start,
@@ -284,6 +289,10 @@ class Transfer:
     kind: str
     tag: str
     family: str  # "weights", "kv", or the kind for the others
+    # Issued and waited where the code that made it put them (the MLP ring's sub-shard hops):
+    # never moved, but still counted in its family's stream, so the transfers after it wait
+    # for it.
+    fixed: bool = False
 
 
 def _is_opaque_ring(n: fx.Node) -> bool:
@@ -356,7 +365,7 @@ def transfers(graph: fx.Graph) -> list[Transfer]:
             family = kind
         if family == "weights" and wait is not None:
             weight_waits.add(wait)
-        out.append(Transfer(n, wait, kind, tag, family))
+        out.append(Transfer(n, wait, kind, tag, family, fixed=n.target in FIXED_STARTS))
     return out
 
 
@@ -382,7 +391,7 @@ def schedule_overlap(gm: fx.GraphModule, lookahead: int = 1) -> ScheduleReport:
 
     # 1. waits on inputs of compute: down to the first real use
     for t in xfers:
-        if t.kind not in INPUT_KINDS or t.wait is None or not t.wait.users:
+        if t.kind not in INPUT_KINDS or t.fixed or t.wait is None or not t.wait.users:
             continue
         if _sink(order, t.wait, _is_view, bound=None):
             report.waits_moved += 1
@@ -400,7 +409,7 @@ def schedule_overlap(gm: fx.GraphModule, lookahead: int = 1) -> ScheduleReport:
     # Weight transfers claim their place first, then K/V gathers, then the rest: when two
     # starts land behind the same node, the one processed first is issued first.
     for t in sorted(xfers, key=lambda t: _HOIST_PRIORITY.get(t.family, len(_HOIST_PRIORITY))):
-        if t.kind == "ring_mlp":
+        if t.kind == "ring_mlp" or t.fixed:
             continue
         moved = _hoist(order, t.start, gates.get(t.start), last_placeholder, hoisted)
         if moved:
@@ -485,11 +494,32 @@ def _sink(order: _Order, wait: fx.Node, travels, bound: fx.Node | None) -> bool:
     target = min(blockers, key=order.__getitem__)
     if order[target] <= order[wait]:
         if bound is not None and target is bound and order[bound] < order[wait]:
-            # Already later than its window allows (its consumers are late): pull it up.
-            return order.place_before(bound, [wait])
+            # Already later than its window allows (its consumers are late): pull it up, with
+            # what it reads that is computed after the bound (a stand-in for a shape, see
+            # ``runtime/comm.py``, ``reduce``) if that can move; else leave it.
+            inputs = _inputs_after(order, wait, bound)
+            if inputs is None:
+                return False
+            return order.place_before(bound, [*inputs, wait])
         return False
     block = [wait] + sorted((c for c in cone if order[c] < order[target]), key=order.__getitem__)
     return order.place_before(target, block)
+
+
+def _inputs_after(order: _Order, node: fx.Node, bound: fx.Node) -> list[fx.Node] | None:
+    """What ``node`` reads, directly or not, that comes after ``bound``, in graph order; None
+    if one of those may not move (a transfer, a pinned node)."""
+    found: set[fx.Node] = set()
+    stack = [i for i in node.all_input_nodes if order[i] > order[bound]]
+    while stack:
+        n = stack.pop()
+        if n in found:
+            continue
+        if _is_pinned(n) or _is_start(n):
+            return None
+        found.add(n)
+        stack.extend(i for i in n.all_input_nodes if order[i] > order[bound])
+    return sorted(found, key=order.__getitem__)
 
 
 def _hoist(

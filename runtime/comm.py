@@ -185,7 +185,7 @@ def broadcast_start(
         buf.copy_(x.reshape(-1))
     work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
     _count("broadcast", tag, buf, world, is_src)
-    return _pending(buf, [work], "broadcast", tag, (x,))
+    return _pending(buf, [work], "broadcast", tag, ())  # x was copied into buf
 
 
 broadcast_start.register_fake(lambda x, src, numel, group, world, tag: x.new_empty((numel,)))
@@ -197,12 +197,14 @@ def _broadcast_setup(ctx, inputs, output):
 
 
 def _broadcast_backward(ctx, grad):
-    # The source's buffer gets the sum of every rank's gradient; the others get zeros. A rank
-    # that is not the source may hold a buffer of another size: reduce a buffer shaped like
-    # the source's, then keep the part shaped like our own.
+    # The source's buffer gets the sum of every rank's gradient; the others get none: every
+    # rank takes part in the reduce, but a rank that is not the source drops what it gets
+    # back at once. (Zeros here would be a buffer of the source's size alive until autograd
+    # adds it to this rank's own buffer's gradient: up to two such buffers, a head group's
+    # weights each, were alive at the backward's peak.)
     g = reduce(grad, ctx.src, ctx.group, ctx.world, ctx.tag)
-    if g.numel() != ctx.x_numel:
-        g = g.new_zeros(ctx.x_numel)
+    if dist.get_rank(process_group(ctx.group)) != ctx.src:
+        return None, None, None, None, None, None
     return g, None, None, None, None, None
 
 
@@ -230,7 +232,8 @@ def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) ->
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
     _count("reduce", tag, buf, world, is_dst)
     out = buf if is_dst else torch.zeros_like(buf)
-    return _pending(out, [work], "reduce", tag, (x, buf))
+    # x is not kept: what travels is its copy, so x may die once the start has made it
+    return _pending(out, [work], "reduce", tag, (buf,))
 
 
 reduce_start.register_fake(
@@ -263,7 +266,7 @@ def all_gather_start(
     out = xc.new_empty((world, *x.shape))
     work = dist.all_gather_single(out, xc, group=pg, async_op=True)
     _count("all_gather", tag, xc, world)
-    return _pending(out, [work], "all_gather", tag, (x, xc))
+    return _pending(out, [work], "all_gather", tag, (xc,))  # what is sent, not x
 
 
 all_gather_start.register_fake(
@@ -314,7 +317,7 @@ def reduce_scatter_start(x: torch.Tensor, group: str, world: int, tag: str) -> t
     out = parts.new_empty((1, *parts.shape[1:]))
     work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
     _count("reduce_scatter", tag, out, world)
-    return _pending(out, [work], "reduce_scatter", tag, (x, parts))
+    return _pending(out, [work], "reduce_scatter", tag, (parts,))
 
 
 reduce_scatter_start.register_fake(
@@ -334,6 +337,10 @@ _define_wait(
 def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
     """Send ``x`` to rank ``(r + shift) % D`` and receive the same-shaped buffer from
     ``(r - shift) % D``: one hop of a ring when ``shift`` is +1 or -1."""
+    return _ring_hop_start(x, shift, group, world, tag)
+
+
+def _ring_hop_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
     pg = process_group(group)
     rank = dist.get_rank(pg)
     xc = x.contiguous()
@@ -344,7 +351,7 @@ def ring_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) ->
     ]
     works = dist.batch_isend_irecv(ops)
     _count("ring", tag, xc, world)
-    return _pending(buf, works, "ring", tag, (x, xc))
+    return _pending(buf, works, "ring", tag, (xc,))
 
 
 ring_start.register_fake(
@@ -353,6 +360,28 @@ ring_start.register_fake(
 
 _define_wait(
     "ring_wait",
+    "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor",
+    lambda pending, x, shift, group, world, tag: _wait(pending),
+)
+
+
+# A hop of one sub-shard chunk of the MLP ring (``ring_mlp(..., hop_chunks=k)``): the same
+# transfer as ``ring_start``/``ring_wait``. A distinct op because the overlap scheduler must leave
+# these where the ring placed them: each chunk's hop is waited right after the compute it
+# overlaps, so that its send buffer dies and only about one chunk per stream is in flight. The
+# scheduler's rule for whole-shard hops (wait at the first use, one step later) would keep
+# every chunk's send buffer alive for a step: two shards again.
+@torch.library.custom_op("tspc::ring_chunk_start", mutates_args=())
+def ring_chunk_start(x: torch.Tensor, shift: int, group: str, world: int, tag: str) -> torch.Tensor:
+    return _ring_hop_start(x, shift, group, world, tag)
+
+
+ring_chunk_start.register_fake(
+    lambda x, shift, group, world, tag: torch.empty_like(x, memory_format=torch.contiguous_format)
+)
+
+_define_wait(
+    "ring_chunk_wait",
     "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor",
     lambda pending, x, shift, group, world, tag: _wait(pending),
 )
@@ -369,7 +398,8 @@ def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str)
     buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
     _count("all_reduce", tag, buf, world)
-    return _pending(buf, [work], "all_reduce", tag, (x,))
+    # x is not kept: what travels is its copy (the graph keeps x as long as it needs it)
+    return _pending(buf, [work], "all_reduce", tag, ())
 
 
 all_reduce_start.register_fake(
@@ -410,6 +440,7 @@ _STARTS = {
         torch.ops.tspc.reduce_scatter_wait.default,
     ),
     torch.ops.tspc.ring_start.default: ("ring", torch.ops.tspc.ring_wait.default),
+    torch.ops.tspc.ring_chunk_start.default: ("ring", torch.ops.tspc.ring_chunk_wait.default),
     torch.ops.tspc.all_reduce_start.default: ("all_reduce", torch.ops.tspc.all_reduce_wait.default),
 }
 _WAIT_TENSOR = wait_tensor_op()
@@ -423,6 +454,8 @@ for _op in (*_STARTS, *(w for _, w in _STARTS.values()), _WAIT_TENSOR):
 START_TO_WAIT = {start: wait for start, (_, wait) in _STARTS.items()}
 START_KIND = {start: kind for start, (kind, _) in _STARTS.items()}
 WAIT_OPS = frozenset(START_TO_WAIT.values())
+# Transfers the overlap scheduler leaves where the code that issued them put them.
+FIXED_STARTS = frozenset({torch.ops.tspc.ring_chunk_start.default})
 
 
 def is_transfer_start(node) -> bool:
@@ -501,3 +534,10 @@ def ring_hop(x, shift, group, world, tag):
 def all_reduce(x, op, group, world, tag):
     h = torch.ops.tspc.all_reduce_start(x, op, group, world, tag)
     return torch.ops.tspc.all_reduce_wait(h, x, op, group, world, tag)
+
+
+def all_reduce_gradient(x, group, world, tag):
+    """The sum over ranks of a gradient, in a backward (no gradient flows through it). The
+    wait reads only ``x``'s dtype when traced, and the start keeps only its own copy, so ``x``
+    may die once the start has copied it (an embedding's or LM head's whole gradient)."""
+    return all_reduce(x, "sum", group, world, tag)

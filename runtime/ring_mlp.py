@@ -95,12 +95,18 @@ def _down(h: torch.Tensor, w: torch.Tensor, t: bool) -> torch.Tensor:
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_down, spec, rank, world, group, tag, *ins):
-        chain_key, orient, has_bias, save_projections = spec
+        chain_key, orient, has_bias, save_projections, hop_chunks = spec
         k = len(has_bias)
         chain = chain_of(chain_key)
         shards = [*ins[:k], w_down, *ins[k:]]  # up weights, down weight, up biases
         shapes = [t.shape for t in shards]
         x2 = x.reshape(-1, x.shape[-1])
+        bounds = _chunk_bounds(shards, orient, has_bias, hop_chunks) if world > 1 else []
+        if len(bounds) > 1:
+            y, saved = _forward_chunked(x2, shards, spec, bounds, world, group, tag)
+            ctx.save_for_backward(x, *shards, *saved)
+            ctx.meta = (len(shards), shapes, spec, rank, world, group, tag)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         own = pack(shards) if world > 1 else None
         cur = own
         y = None
@@ -125,13 +131,17 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         n_shards, shapes, spec, rank, world, group, tag = ctx.meta
-        chain_key, orient, has_bias, save_projections = spec
+        chain_key, orient, has_bias, save_projections, hop_chunks = spec
         k = len(has_bias)
         chain = chain_of(chain_key)
         x, *rest = ctx.saved_tensors
         shards, saved = rest[:n_shards], rest[n_shards:]
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        bounds = _chunk_bounds(shards, orient, has_bias, hop_chunks) if world > 1 else []
+        if len(bounds) > 1:
+            dx, g = _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag)
+            return dx.reshape(x.shape), g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
         own = pack(shards) if world > 1 else None
         # Backward step k handles forward step t = D-1-k, i.e. shard p+1+k. Its weights come
         # from p+1 (shift -1); the last step's shard is our own.
@@ -207,6 +217,165 @@ class RingMLP(torch.autograd.Function):
         return dx, g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
 
 
+# --------------------------------------------------------------------------- sub-shard hops
+# ``hop_chunks = c > 1``: every shard travels as c chunks of its slice of F (each weight's and
+# bias's F-columns j of c, packed per chunk). The MLP is a sum over any partition of F, so a
+# chunk is computed on its own, and each chunk's hop is issued before that chunk's compute and
+# waited right after it (``ring_chunk_start``/``ring_chunk_wait``, which the overlap scheduler
+# leaves in place). A rank then holds the chunks of the current shard not yet used plus the
+# chunks of the next shard already received: about one shard and one chunk per stream
+# (weights; in backward also the gradient accumulators) instead of two shards. Same bytes,
+# c times the hops.
+
+
+def _f_dims(orient: str, has_bias: tuple[bool, ...]) -> list[int]:
+    """The F dimension of each shard tensor, in the ring's order (ups, down, up biases)."""
+    k = len(has_bias)
+    ups = [1 if orient[i] == "t" else 0 for i in range(k)]
+    return [*ups, 0 if orient[k] == "t" else 1, *(0 for b in has_bias if b)]
+
+
+def _chunk_bounds(shards, orient, has_bias, chunks: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each chunk of this rank's F-slice (the same on every rank: every shard
+    has F/D columns). At most one chunk per column."""
+    f = shards[len(has_bias)].shape[_f_dims(orient, has_bias)[len(has_bias)]]
+    c = max(1, min(int(chunks), f))
+    cuts = [f * j // c for j in range(c + 1)]
+    return [(cuts[j], cuts[j + 1]) for j in range(c)]
+
+
+def _chunk(tensors, dims, lo: int, hi: int) -> list[torch.Tensor]:
+    return [t.narrow(d, lo, hi - lo) for t, d in zip(tensors, dims)]
+
+
+def _forward_chunked(x2, shards, spec, bounds, world, group, tag):
+    chain_key, orient, has_bias, save_projections, _ = spec
+    k = len(has_bias)
+    chain = chain_of(chain_key)
+    dims = _f_dims(orient, has_bias)
+    shapes = [[t.shape for t in _chunk(shards, dims, lo, hi)] for lo, hi in bounds]
+    ring = torch.ops.tspc
+    cur: list[torch.Tensor | None] = [None] * len(bounds)  # this step's chunks, as received
+    y = None
+    saved: list[torch.Tensor] = []
+    for t in range(world):
+        nxt: list[torch.Tensor | None] = [None] * len(bounds)
+        for j, (lo, hi) in enumerate(bounds):
+            if t == 0:  # our own shard: compute on its views, send a packed copy of the chunk
+                ws = _chunk(shards, dims, lo, hi)
+                buf = pack(ws)
+            else:
+                buf = cur[j]
+                ws = unpack(buf, shapes[j])
+            hop = ring.ring_chunk_start(buf, 1, group, world, tag) if t < world - 1 else None
+            ps = _projections(x2, ws, has_bias, orient)
+            if save_projections:
+                saved += ps
+            part = _down(chain(*ps), ws[k], orient[k] == "t")
+            y = part if y is None else y + part
+            if hop is not None:
+                nxt[j] = ring.ring_chunk_wait(hop, buf, 1, group, world, tag)
+        cur = nxt
+    return y, saved
+
+
+def _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag):
+    """The backward ring of ``RingMLP`` (see there) with every hop in chunks: at step s, chunk
+    j, rank p forwards chunk j of shard p+1+s's weights (received at step s-1) to p-1 while it
+    computes with it, then adds its contribution to that chunk's gradient accumulator (received
+    from p+1) and sends it on to p-1. Each accumulator hop is waited when the next one is
+    issued (one chunk of compute later), each weight hop after its chunk's compute."""
+    chain_key, orient, has_bias, save_projections, _ = spec
+    k = len(has_bias)
+    n_shards = len(shards)
+    chain = chain_of(chain_key)
+    dims = _f_dims(orient, has_bias)
+    n_chunks = len(bounds)
+    shapes = [[t.shape for t in _chunk(shards, dims, lo, hi)] for lo, hi in bounds]
+    ring = torch.ops.tspc
+    down_t = orient[k] == "t"
+
+    def hop(buf):
+        return ring.ring_chunk_start(buf, -1, group, world, tag), buf
+
+    def land(pending):
+        handle, buf = pending
+        return ring.ring_chunk_wait(handle, buf, -1, group, world, tag)
+
+    # The first step's weights (shard p+1) come from p+1, a chunk at a time, one ahead.
+    first = [None] * n_chunks
+    first[0] = hop(pack(_chunk(shards, dims, *bounds[0])))
+    w_cur: list[torch.Tensor | None] = [None] * n_chunks
+    acc: dict[tuple[int, int], torch.Tensor] = {}  # (step, chunk) -> accumulator received
+    acc_pending = None  # (step, chunk, (handle, buffer)) of the accumulator hop in flight
+    own: list[list[torch.Tensor]] = [[] for _ in range(n_shards)]  # final gradient chunks
+    dx = None
+    for step in range(world):
+        t = world - 1 - step
+        last = step == world - 1
+        w_next: list[torch.Tensor | None] = [None] * n_chunks
+        for j, (lo, hi) in enumerate(bounds):
+            if step == 0:
+                if j + 1 < n_chunks:
+                    first[j + 1] = hop(pack(_chunk(shards, dims, *bounds[j + 1])))
+                w_cur[j] = land(first[j])
+                first[j] = None
+            if last:  # our own shard: its views
+                ws = _chunk(shards, dims, lo, hi)
+                w_hop = None
+            else:
+                ws = list(unpack(w_cur[j], shapes[j]))
+                w_hop = hop(w_cur[j]) if step < world - 2 else None
+            if save_projections:
+                at = k * (t * n_chunks + j)
+                ps = saved[at : at + k]
+            else:  # rebuilt from the weights this step received
+                ps = _projections(x2, ws, has_bias, orient)
+            with torch.enable_grad():
+                ps = [p.detach().requires_grad_() for p in ps]
+                h = chain(*ps)
+            dh = g2 @ ws[k].t() if down_t else g2 @ ws[k]
+            dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
+            dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
+            h = h.detach()
+            received = None
+            if step > 0:
+                if (step, j) not in acc:  # the hop in flight is this chunk's: land it now
+                    s_, j_, pending = acc_pending
+                    acc[(s_, j_)] = land(pending)
+                    acc_pending = None
+                received = unpack(acc.pop((step, j)), shapes[j])
+
+            def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
+                return g.float() if received is None else g.float() + received[i]
+
+            grads: list[torch.Tensor | None] = [None] * n_shards
+            grads[k] = accumulate(k, h.t() @ g2 if down_t else g2.t() @ h)
+            bias_slot = k + 1
+            for i, dp in enumerate(dps):
+                up_t = orient[i] == "t"
+                grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
+                step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
+                dx = step_dx if dx is None else dx + step_dx
+                if has_bias[i]:
+                    grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
+                    bias_slot += 1
+            if last:
+                for i, (g, sh) in enumerate(zip(grads, shards)):
+                    own[i].append(g.to(sh.dtype))
+            else:
+                out = pack(grads)
+                if acc_pending is not None:  # the previous chunk's hop: done travelling by now
+                    s_, j_, pending = acc_pending
+                    acc[(s_, j_)] = land(pending)
+                acc_pending = (step + 1, j, hop(out))
+            if w_hop is not None:
+                w_next[j] = land(w_hop)
+        w_cur = w_next
+    grads = [torch.cat(pieces, dim=d) for pieces, d in zip(own, dims)]
+    return dx, grads
+
+
 def _projections(x2, ws, has_bias, orient) -> list[torch.Tensor]:
     """The k up projections of ``x2`` with one shard's weights ``ws`` (ups, down, biases)."""
     k = len(has_bias)
@@ -230,18 +399,23 @@ def ring_mlp(
     tag: str,
     *,
     save_projections: bool = True,
+    hop_chunks: int = 1,
 ) -> torch.Tensor:
     """``down(chain(up_1(x), ..., up_k(x)))`` over the ring; the shards are this rank's own.
 
     ``w_in``/``b_in``: this rank's slices of the up weights and biases (a bias may be None);
     ``chain``: a key of ``register_chain`` (``"gated:silu"``, ``"plain:gelu"``, or one the
     rewrite registered); ``orient``: ``n`` (Linear, ``[out, in]``) or ``t`` (Conv1D,
-    ``[in, out]``) per up weight, then for the down weight."""
+    ``[in, out]``) per up weight, then for the down weight. ``hop_chunks``: each shard
+    travels in this many chunks of its F-columns (sub-shard hops: about one shard and one
+    chunk in flight per stream instead of two shards; the same bytes in more hops)."""
     chain_of(chain)  # a clear error now, not inside the ring
     if len(b_in) != len(w_in) or len(orient) != len(w_in) + 1 or set(orient) - {"n", "t"}:
         raise ValueError(f"ring_mlp: {len(w_in)} up weights, {len(b_in)} biases, orient {orient!r}")
     has_bias = tuple(b is not None for b in b_in)
-    spec = (chain, orient, has_bias, bool(save_projections))
+    if isinstance(hop_chunks, bool) or not isinstance(hop_chunks, int) or hop_chunks < 1:
+        raise ValueError(f"ring_mlp: hop_chunks must be an int >= 1, got {hop_chunks!r}")
+    spec = (chain, orient, has_bias, bool(save_projections), hop_chunks)
     ins = [*w_in, *(b for b in b_in if b is not None)]
     return RingMLP.apply(x, w_down, spec, rank, world, group, tag, *ins)
 

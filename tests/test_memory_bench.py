@@ -91,3 +91,17 @@ def test_recompute_rows_and_their_check():
     assert holds and "TSP with recompute D=4" in statement
     table.rows[4] = _row("tp_rc", 4, 19.0)
     assert not [ok for text, ok in table.checks() if "recompute" in text][0]
+
+
+def test_only_some_rows_without_a_one_process_row():
+    from bench.memory import main
+
+    table = Table(QUICK_CONFIGS["weights"], "train")
+    table.rows = [_row("tsp_rc", 4, 20.0), _row("tp_sp_rc", 4, 25.0)]
+    (statement, holds), *rest = table.checks()  # no bound without the one-process row
+    assert holds and "TSP with recompute D=4" in statement and not rest
+    text, md = format_table(table), markdown_table(table)
+    assert "not run" in text and "| tsp_rc | 4 | 20.00 | - | - |" in md
+    for bad in (["--schemes", "tsp_rcx"], ["--schemes", "tsp_rc"]):  # unknown; _rc needs it
+        with pytest.raises(SystemExit):
+            main(bad)

@@ -18,6 +18,7 @@ from samples.reference_model import RefConfig
 from tests.helpers import adamw_side_by_side, grad_error
 from tspc.launch import spawn
 from tspc.options import OptionError, TSPOptions
+from tspc.passes.rewrite_mlp import RECOMPUTED_RING_CHUNKS
 from tspc.tools.measure import measure, measure_rank
 from tspc.tools.plan import ModelShape
 
@@ -28,6 +29,11 @@ MEM_SEQ, MEM_BATCH = 512, 1
 
 def test_recompute_option_is_validated():
     assert TSPOptions.from_dict({}).recompute == "none"
+    assert TSPOptions.from_dict({}).ring_chunks is None
+    assert TSPOptions.from_dict({"ring_chunks": 8}).ring_chunks == 8
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(OptionError, match="ring_chunks must be a number of chunks >= 1"):
+            TSPOptions.from_dict({"ring_chunks": bad})
     assert TSPOptions.from_dict({"recompute": "full"}).recompute == "full"
     with pytest.raises(OptionError, match="recompute='blocks' is not one of"):
         TSPOptions.from_dict({"recompute": "blocks"})
@@ -38,9 +44,8 @@ def test_recompute_option_is_validated():
 @pytest.mark.slow
 def test_full_recompute_keeps_only_each_block_input():
     """Measured on fake tensors at 2 and 3 layers (D = 2, rank 0): one more layer adds exactly
-    its input shard, B * S / D * h elements, and its weight-gradient shard to the step's peak:
-    nothing else of a layer is kept (without recompute a layer adds ~17h per token; tspc
-    plan's 7B figures)."""
+    its input shard, B * S / D * h elements, to the step's peak: nothing else of a layer is
+    kept (without recompute a layer adds ~17h per token; tspc plan's 7B figures)."""
     shape = ModelShape(
         hidden=64, layers=8, heads=4, kv_heads=4, intermediate=128, vocab=128, name="deep"
     )
@@ -49,10 +54,11 @@ def test_full_recompute_keeps_only_each_block_input():
                 recompute="full")  # fmt: skip
     a, b = (m.runs[d][0] for d in m.measured_layers)
     per_layer = sum(b.at_peak[c] - a.at_peak[c] for c in ("activations", "communication"))
-    # The peak falls in the last block's backward: besides its input shard (local tokens x h x
-    # fp32) a layer adds its finished weight-gradient shard (q, k, v, o and the gated MLP / D).
-    grad_shard = (4 * 64 * 64 + 3 * 64 * 128) // 2 * 4
-    assert per_layer == seq // 2 * 64 * 4 + grad_shard
+    # The peak falls in the last block's backward, where a layer holds its input shard (local
+    # tokens x h x fp32). (Until the MLP ring hopped in sub-shard chunks and a broadcast's
+    # non-source ranks dropped their reduce results, each layer also added a weight-gradient
+    # shard's bytes, (4 * 64 * 64 + 3 * 64 * 128) / 2 * 4, to this peak.)
+    assert per_layer == seq // 2 * 64 * 4
 
 
 def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -> dict:
@@ -95,6 +101,7 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
             ("broadcast", torch.ops.tspc.broadcast_start.default),
             ("all_gather", torch.ops.tspc.all_gather_start.default),
             ("ring", torch.ops.tspc.ring_start.default),
+            ("ring_chunk", torch.ops.tspc.ring_chunk_start.default),
         ):
             res[kind] = (starts(cg.aot.forward_gms, op), starts(cg.aot.backward_gms, op))
         out[policy] = res
@@ -140,9 +147,13 @@ def _check(results: list[dict], policies: list[str]) -> None:
         # (which rebuilds each shard's projections from the weights it receives), except the
         # last block's: its output feeds the final norm, outside every recomputed region, and
         # the partitioner rebuilds it rather than saving it (one layer's D - 1 hops).
+        # A recomputed block's ring hops in RECOMPUTED_RING_CHUNKS sub-shard chunks (the
+        # others whole): counted here in whole-shard hops.
         fb, bb = r["full"]["broadcast"]
         fg, bg = r["full"]["all_gather"]
-        fr, br = r["full"]["ring"]
+        assert r["full"]["ring"] == (0, 0) and r["selective"]["ring_chunk"] == (0, 0), r
+        assert r["none"]["ring_chunk"] == (0, 0), r
+        fr, br = (n / RECOMPUTED_RING_CHUNKS for n in r["full"]["ring_chunk"])
         nb, nbb = r["none"]["broadcast"]
         assert fb == nb and bb == 2 * fb and nbb == fb, r
         assert fg == r["none"]["all_gather"][0] and bg > r["none"]["all_gather"][1], r

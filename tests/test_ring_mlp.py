@@ -25,14 +25,24 @@ def dense(x, ws, bs, wd, gated, act, conv1d):
     return h @ wd if conv1d else F.linear(h, wd)
 
 
-def ring_worker(rank: int, world: int, gated: bool, bias: bool, act: str, conv1d: bool) -> dict:
+def ring_worker(
+    rank: int,
+    world: int,
+    gated: bool,
+    bias: bool,
+    act: str,
+    conv1d: bool,
+    hop_chunks: int = 1,
+    save_projections: bool = True,
+    f: int = 16,
+) -> dict:
     import torch.distributed as dist
 
     from tspc.runtime.counters import COUNTER
     from tspc.runtime.ring_mlp import ring_mlp
 
     torch.manual_seed(0)
-    h, f, n, k = 8, 16, 6, 2 if gated else 1
+    h, n, k = 8, 6, 2 if gated else 1
     ws = [torch.randn(f, h) for _ in range(k)]
     wd = torch.randn(h, f)
     if conv1d:  # stored [in, out]: F is dim 1 of the ups, dim 0 of down
@@ -56,7 +66,20 @@ def ring_worker(rank: int, world: int, gated: bool, bias: bool, act: str, conv1d
     group = dist.group.WORLD.group_name if world > 1 else ""
     chain = f"{'gated' if gated else 'plain'}:{act}"
     orient = ("t" if conv1d else "n") * (k + 1)
-    y = ring_mlp(x, mine, mine_b, mine_d, chain, orient, rank, world, group, "mlp")
+    y = ring_mlp(
+        x,
+        mine,
+        mine_b,
+        mine_d,
+        chain,
+        orient,
+        rank,
+        world,
+        group,
+        "mlp",
+        save_projections=save_projections,
+        hop_chunks=hop_chunks,
+    )
     y.backward(go_all[rank])
     errs = {
         "y": (y - ref[rank]).abs().max().item() / ref.abs().max().item(),
@@ -89,6 +112,38 @@ def test_ring_matches_dense_mlp(world, gated, bias, act, conv1d):
         assert r["ring"]["calls"] == 3 * (world - 1)
 
 
+# (gated, bias, act, conv1d, hop_chunks, save_projections, F): sub-shard hops with every
+# weight layout, saved and rebuilt projections, and chunks that do not divide F / D evenly
+CHUNKED_CASES = [
+    (True, False, "silu", False, 2, True, 16),
+    (True, True, "gelu_tanh", False, 3, False, 24),
+    (False, True, "gelu_tanh", True, 4, True, 16),
+    (True, True, "silu", True, 3, False, 20),
+]
+
+
+def chunked_ring_worker(rank: int, world: int) -> list[dict]:
+    out = []
+    for case in CHUNKED_CASES:
+        if case[-1] % world:
+            continue
+        out.append({"case": case, **ring_worker(rank, world, *case)})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_in_sub_shard_chunks_matches_dense_mlp(world):
+    for results in spawn(chunked_ring_worker, world, timeout=180):
+        assert results
+        for r in results:
+            gated, bias, act, conv1d, chunks, save, f = r["case"]
+            assert max(r["errs"].values()) < 1e-5, r
+            # every hop of the unchunked ring (3 (D - 1)) in `chunks` pieces (at most one
+            # per column of F / D)
+            assert r["ring"]["calls"] == 3 * (world - 1) * min(chunks, f // world), r
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_ring_world_one_is_the_plain_mlp(gated):
     from tspc.runtime.ring_mlp import ring_mlp
@@ -107,6 +162,17 @@ def test_ring_world_one_is_the_plain_mlp(gated):
     g2 = torch.autograd.grad(ref.sum(), [x, *ws, *bs, wd])
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
+
+
+def test_bad_hop_chunks_are_refused():
+    from tspc.runtime.ring_mlp import ring_mlp
+
+    w = torch.randn(4, 4)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="hop_chunks must be an int >= 1"):
+            ring_mlp(
+                torch.randn(2, 4), [w], [None], w, "plain:silu", "nn", 0, 1, "", "", hop_chunks=bad
+            )
 
 
 def test_an_unregistered_chain_is_refused():

@@ -58,6 +58,11 @@ class TSPOptions:
         every length that is a multiple of 2D (``tspc/length_family.py``): a new length runs
         the compiled program, with no pass and no inner compile. Off (default): each new
         length is one compile of the passes and the inner compiler.
+    ring_chunks: the MLP ring's hops in this many sub-shard chunks (``ring_mlp(...,
+        hop_chunks=)``): about one shard and one chunk of weights (and, in backward, of
+        gradient accumulators) in flight instead of two shards, for the same bytes in more
+        hops. None (default): 8 for the rings of recomputed blocks (``recompute``, or a
+        user's checkpoint), where the ring's buffers are what is left at the peak, else 1.
     """
 
     group: Any = None
@@ -74,6 +79,7 @@ class TSPOptions:
     recompute: str = "none"
     loss_chunk: int | None = None
     dynamic_seq: bool = False
+    ring_chunks: int | None = None
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -102,6 +108,9 @@ class TSPOptions:
         c = options.get("loss_chunk")
         if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 0):
             raise OptionError(f"option loss_chunk must be a number of tokens >= 0, got {c!r}")
+        c = options.get("ring_chunks")
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise OptionError(f"option ring_chunks must be a number of chunks >= 1, got {c!r}")
         if options.get("dump_dir") is None and os.environ.get("TSPC_DUMP_DIR"):
             options["dump_dir"] = os.environ["TSPC_DUMP_DIR"]
         t = options.get("comm_timeout")

@@ -57,7 +57,7 @@ from tspc.passes.recompute import (
     tag_recompute,
 )
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
-from tspc.passes.rewrite_mlp import rewrite_mlp
+from tspc.passes.rewrite_mlp import rewrite_mlp, set_ring_hop_chunks
 from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
@@ -288,6 +288,14 @@ def _report_not_rewritten(ctx: PassContext, kind: str, matches: list) -> None:
 
 
 def _recompute(ctx: PassContext) -> None:
+    _tag_recomputed(ctx)
+    # after the tagging: by default a recomputed block's ring hops in sub-shard chunks
+    chunked = set_ring_hop_chunks(ctx.gm, ctx.opts.ring_chunks)
+    if chunked:
+        ctx.report.notes.append(f"{chunked} MLP ring(s) hop in sub-shard chunks")
+
+
+def _tag_recomputed(ctx: PassContext) -> None:
     opts = ctx.opts
     if opts.recompute == "none":
         if ctx.checkpointed:
