@@ -64,7 +64,7 @@ def _steps(rank, world):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         cm = torch.compile(model, backend="tsp", dynamic=dynamic, options={"inner": "aot_eager"})
         per_step = []
-        first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+        first = max((e.graph_id for e in compiles.EVENTS), default=-1)
         lengths = LENGTHS if dynamic is None else (16, 16, 24, 16)
         for s in lengths:
             before = len(inner_calls)
@@ -125,7 +125,7 @@ def test_static_compile_is_reused_only_under_the_same_grad_mode():
         hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2
     )
     cm = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
-    first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+    first = max((e.graph_id for e in compiles.EVENTS), default=-1)
     with torch.no_grad():
         for s in (16, 24, 16):  # static 16, symbolic 24, 16 again: reused (same grad mode)
             cm(torch.randint(0, 256, (2, s)))

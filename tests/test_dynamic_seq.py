@@ -130,7 +130,7 @@ def _steps_per_family(inner_calls: list) -> dict:
         options = {"inner": "aot_eager", "dynamic_seq": True}
         dynamic = None if family == "reference" else True
         cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
-        first = compiles.EVENTS[-1].graph_id if compiles.EVENTS else -1
+        first = max((e.graph_id for e in compiles.EVENTS), default=-1)
         steps = []
         for s in LENGTHS[family]:
             before = len(inner_calls)

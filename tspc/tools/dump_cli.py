@@ -332,7 +332,9 @@ def dump_rank(
     _clear_old_dump(os.path.join(out, f"rank{rank}"))
     with fake_process_group(rank, world):
         torch._dynamo.reset()  # never reuse another rank's graph
-        backend._GRAPH_IDS = itertools.count()  # number graphs from 0, as a fresh process does
+        # number this rank's graphs from 0, as a fresh process does; the process's own count
+        # goes on afterwards (a later compile in this process must not reuse an id)
+        ids, backend._GRAPH_IDS = backend._GRAPH_IDS, itertools.count()
         first = len(DUMPS)
         on_device = (
             _on_fake_cuda(target, backward)
@@ -351,6 +353,7 @@ def dump_rank(
                     loss.backward()
         dumps = DUMPS[first:]
         torch._dynamo.reset()
+        backend._GRAPH_IDS = ids
     if not dumps:
         raise DumpError("the backend compiled no graph (is the model's forward empty?)")
     if device == "cuda":
