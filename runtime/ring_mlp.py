@@ -167,14 +167,8 @@ class RingMLP(torch.autograd.Function):
                 ps = saved[k * t : k * (t + 1)]
             else:  # recomputed from the weights this step received (the forward's shard t)
                 ps = _projections(x2, ws, has_bias, orient)
-            with torch.enable_grad():
-                ps = [p.detach().requires_grad_() for p in ps]
-                h = chain(*ps)
             down_t = orient[k] == "t"
-            dh = g2 @ ws[k].t() if down_t else g2 @ ws[k]  # [N, F/D]
-            dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
-            dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
-            h = h.detach()
+            h, dps = _chain_backward(chain, ps, g2, ws[k], down_t)
             # This step's weight gradients, each added to the accumulator arriving from p+1 as
             # soon as it is computed: the received buffer and each piece die at once, so at
             # most one packed gradient exists besides the one in flight (computing all pieces
@@ -191,17 +185,9 @@ class RingMLP(torch.autograd.Function):
                     return g
                 return g.float() if received is None else g.float() + received[i]
 
-            grads: list[torch.Tensor | None] = [None] * n_shards
-            grads[k] = accumulate(k, h.t() @ g2 if down_t else g2.t() @ h)
-            bias_slot = k + 1
-            for i, dp in enumerate(dps):
-                up_t = orient[i] == "t"
-                grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
-                step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
-                dx = step_dx if dx is None else dx + step_dx
-                if has_bias[i]:
-                    grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
-                    bias_slot += 1
+            grads, dx = _weight_grads(
+                h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx
+            )
             if world == 1:
                 grad_own = grads
                 break
@@ -331,13 +317,7 @@ def _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag):
                 ps = saved[at : at + k]
             else:  # rebuilt from the weights this step received
                 ps = _projections(x2, ws, has_bias, orient)
-            with torch.enable_grad():
-                ps = [p.detach().requires_grad_() for p in ps]
-                h = chain(*ps)
-            dh = g2 @ ws[k].t() if down_t else g2 @ ws[k]
-            dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
-            dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
-            h = h.detach()
+            h, dps = _chain_backward(chain, ps, g2, ws[k], down_t)
             received = None
             if step > 0:
                 if (step, j) not in acc:  # the hop in flight is this chunk's: land it now
@@ -349,17 +329,9 @@ def _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag):
             def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
                 return g.float() if received is None else g.float() + received[i]
 
-            grads: list[torch.Tensor | None] = [None] * n_shards
-            grads[k] = accumulate(k, h.t() @ g2 if down_t else g2.t() @ h)
-            bias_slot = k + 1
-            for i, dp in enumerate(dps):
-                up_t = orient[i] == "t"
-                grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
-                step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
-                dx = step_dx if dx is None else dx + step_dx
-                if has_bias[i]:
-                    grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
-                    bias_slot += 1
+            grads, dx = _weight_grads(
+                h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx
+            )
             if last:
                 for i, (g, sh) in enumerate(zip(grads, shards)):
                     own[i].append(g.to(sh.dtype))
@@ -421,3 +393,34 @@ def ring_mlp(
 
 
 __all__ = ["ring_mlp", "RingMLP", "register_chain", "chain_of", "ring_hop"]
+
+
+def _chain_backward(chain, ps, g2, w_down, down_t: bool):
+    """The activation chain's output ``h`` on the projections ``ps`` and the chain's
+    derivative: autograd's, for the gradient ``g2`` arriving through the down projection."""
+    with torch.enable_grad():
+        ps = [p.detach().requires_grad_() for p in ps]
+        h = chain(*ps)
+    dh = g2 @ w_down.t() if down_t else g2 @ w_down  # [N, F/D]
+    dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
+    dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
+    return h.detach(), dps
+
+
+def _weight_grads(h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx):
+    """One ring step's gradients of a shard's weights (and biases), in the shard's packing
+    order, each passed through ``accumulate`` as soon as it is computed; and ``dx`` plus this
+    step's input gradient."""
+    k = len(dps)
+    grads: list[torch.Tensor | None] = [None] * n_shards
+    grads[k] = accumulate(k, h.t() @ g2 if orient[k] == "t" else g2.t() @ h)
+    bias_slot = k + 1
+    for i, dp in enumerate(dps):
+        up_t = orient[i] == "t"
+        grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
+        step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
+        dx = step_dx if dx is None else dx + step_dx
+        if has_bias[i]:
+            grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
+            bias_slot += 1
+    return grads, dx

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -258,3 +259,24 @@ def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
         fc.check(wait_call).run(marked)
         checked += bool(overlapped)
     return checked
+
+
+@contextlib.contextmanager
+def counting_inner_compiles():
+    """Yields a list that gets one entry per call of the inner compiler
+    (``tspc.backend.compile_inner``) while inside; restored on the way out, also on failure (a
+    pooled worker runs later tests)."""
+    import tspc.backend as backend
+
+    calls: list[int] = []
+    compile_inner = backend.compile_inner
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return compile_inner(*args, **kwargs)
+
+    backend.compile_inner = counting
+    try:
+        yield calls
+    finally:
+        backend.compile_inner = compile_inner

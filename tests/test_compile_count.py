@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 
+from tests.helpers import counting_inner_compiles
 from tspc.launch import spawn
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
@@ -24,27 +25,29 @@ LENGTHS = (16, 16, 24, 24, 16)
 
 
 def _steps(rank, world):
-    import tspc.backend as backend
-    from samples.reference_model import build_reference_model
-    from tspc import compiles
-    from tspc.runtime.compat import dynamo_counters
-
-    inner_calls = []
-    compile_inner = backend.compile_inner
-
-    def counting(*args, **kwargs):
-        inner_calls.append(1)
-        return compile_inner(*args, **kwargs)
-
-    backend.compile_inner = counting
-    lines = []
+    lines: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    logging.getLogger("tspc.compiles").addHandler(Keep())
-    logging.getLogger("tspc.compiles").setLevel(logging.INFO)
+    log = logging.getLogger("tspc.compiles")
+    keep, level = Keep(), log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:  # a pooled worker runs later tests: neither the handler nor the wrapper may outlive this
+        with counting_inner_compiles() as inner_calls:
+            return _steps_counted(inner_calls, lines)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+
+
+def _steps_counted(inner_calls: list, lines: list) -> dict:
+    from samples.reference_model import build_reference_model
+    from tspc import compiles
+    from tspc.runtime.compat import dynamo_counters
+
     results = {}
     for dynamic in (None, True):
         torch._dynamo.reset()
@@ -80,7 +83,6 @@ def _steps(rank, world):
             "kinds": [e.kind for e in compiles.events(first)],
             "lines": list(lines),
         }
-    backend.compile_inner = compile_inner
     return results
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from tests.helpers import HF_SMALL, grad_error
+from tests.helpers import HF_SMALL, counting_inner_compiles, grad_error
 from tspc.launch import spawn
 from tspc.passes.generalize_length import LengthNotGeneralizable, generalize_sequence_length
 
@@ -87,20 +87,8 @@ COMPILES = {
 
 
 def _dynamic_steps(rank, world):
-    import tspc.backend as backend
-
-    inner_calls = []
-    compile_inner = backend.compile_inner
-
-    def counting(*args, **kwargs):
-        inner_calls.append(1)
-        return compile_inner(*args, **kwargs)
-
-    backend.compile_inner = counting
-    try:  # a pooled worker runs later tests: the counting wrapper must not outlive this one
+    with counting_inner_compiles() as inner_calls:
         return _steps_per_family(inner_calls)
-    finally:
-        backend.compile_inner = compile_inner
 
 
 def _steps_per_family(inner_calls: list) -> dict:
