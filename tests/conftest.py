@@ -43,6 +43,26 @@ def _reset_dynamo():
     torch._dynamo.reset()
 
 
+# The files that take longest (``--durations``), longest first.
+_RUN_FIRST = {
+    name: i
+    for i, name in enumerate(
+        (
+            "test_zoo.py",
+            "test_recompute.py",
+            "test_dynamic_seq.py",
+            "test_training_idioms.py",
+            "test_masks.py",
+            "test_reliability.py",
+            "test_equivalence_forward.py",
+            "test_any_length.py",
+            "test_hf_models.py",
+            "test_graph_schedules.py",
+        )
+    )
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """Tiers. ``slow``: multi-process runs, Inductor, and every test that compiles a whole
     model in this process (it uses the ``fake_group`` fixture: Dynamo, the passes and
@@ -53,6 +73,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "fake_group" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    # The longest files first: with the README's two pytest processes (``-n 2 --dist
+    # loadfile``) a long file handed out last would run alone while the other process idles.
+    # A stable sort: every process computes the same order, and a file's tests keep theirs.
+    items.sort(key=lambda item: _RUN_FIRST.get(item.path.name, len(_RUN_FIRST)))
     if os.environ.get("TSPC_EXTENDED") == "1":
         return
     skip = pytest.mark.skip(reason="extended tier: TSPC_EXTENDED=1 python -m pytest -m extended")
