@@ -121,7 +121,7 @@ class _Generalizer:
                 return x0
             fit = _affine(xs, self.ks)
             if fit is None:
-                raise self.fail(f"the numbers {xs} are no a * (S / 2D) + b with integers a, b")
+                raise self.fail(f"the numbers {xs} are not a * (S / 2D) + b with integers a, b")
             return self.expression(*fit)
         if isinstance(x0, (tuple, list)):  # torch.Size included: it becomes a tuple
             if len({len(x) for x in xs}) != 1:

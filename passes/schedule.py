@@ -307,10 +307,6 @@ def _tag(start: fx.Node) -> str:
     return start.args[-1] if start.args and isinstance(start.args[-1], str) else ""
 
 
-def _wait_of(start: fx.Node) -> fx.Node | None:
-    return wait_of(start)
-
-
 def _stream_key(start: fx.Node) -> tuple:
     return START_KIND[start.target], _tag(start)
 
@@ -349,7 +345,7 @@ def transfers(graph: fx.Graph) -> list[Transfer]:
             continue
         kind = START_KIND[n.target]
         tag = _tag(n)
-        wait = _wait_of(n)
+        wait = wait_of(n)
         if kind == "broadcast":
             family = "weights"
         elif kind == "ring":
@@ -495,8 +491,7 @@ def _sink(order: _Order, wait: fx.Node, travels, bound: fx.Node | None) -> bool:
     if order[target] <= order[wait]:
         if bound is not None and target is bound and order[bound] < order[wait]:
             # Already later than its window allows (its consumers are late): pull it up, with
-            # what it reads that is computed after the bound (a stand-in for a shape, see
-            # ``runtime/comm.py``, ``reduce``) if that can move; else leave it.
+            # what it reads that is computed after the bound if that can move; else leave it.
             inputs = _inputs_after(order, wait, bound)
             if inputs is None:
                 return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import all_reduce_gradient
+from .comm import all_reduce
 
 
 class _SyncReplicatedGrad(torch.autograd.Function):
@@ -28,7 +28,7 @@ class _SyncReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         group, world, tag = ctx.args
-        return all_reduce_gradient(grad, group, world, tag), None, None, None
+        return all_reduce(grad, "sum", group, world, tag), None, None, None
 
 
 def sync_replicated_grad(x: torch.Tensor, group: str, world: int, tag: str) -> torch.Tensor:

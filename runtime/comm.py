@@ -192,8 +192,7 @@ broadcast_start.register_fake(lambda x, src, numel, group, world, tag: x.new_emp
 
 
 def _broadcast_setup(ctx, inputs, output):
-    x, ctx.src, _, ctx.group, ctx.world, ctx.tag = inputs
-    ctx.x_numel = x.numel()
+    _, ctx.src, _, ctx.group, ctx.world, ctx.tag = inputs
 
 
 def _broadcast_backward(ctx, grad):
@@ -354,14 +353,15 @@ def _ring_hop_start(x: torch.Tensor, shift: int, group: str, world: int, tag: st
     return _pending(buf, works, "ring", tag, (xc,))
 
 
-ring_start.register_fake(
-    lambda x, shift, group, world, tag: torch.empty_like(x, memory_format=torch.contiguous_format)
-)
+def _ring_fake(x, shift, group, world, tag):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+
+_RING_WAIT_SCHEMA = "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor"
+
+ring_start.register_fake(_ring_fake)
 _define_wait(
-    "ring_wait",
-    "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor",
-    lambda pending, x, shift, group, world, tag: _wait(pending),
+    "ring_wait", _RING_WAIT_SCHEMA, lambda pending, x, shift, group, world, tag: _wait(pending)
 )
 
 
@@ -376,13 +376,10 @@ def ring_chunk_start(x: torch.Tensor, shift: int, group: str, world: int, tag: s
     return _ring_hop_start(x, shift, group, world, tag)
 
 
-ring_chunk_start.register_fake(
-    lambda x, shift, group, world, tag: torch.empty_like(x, memory_format=torch.contiguous_format)
-)
-
+ring_chunk_start.register_fake(_ring_fake)
 _define_wait(
     "ring_chunk_wait",
-    "(Tensor pending, Tensor x, int shift, str group, int world, str tag) -> Tensor",
+    _RING_WAIT_SCHEMA,
     lambda pending, x, shift, group, world, tag: _wait(pending),
 )
 
@@ -534,10 +531,3 @@ def ring_hop(x, shift, group, world, tag):
 def all_reduce(x, op, group, world, tag):
     h = torch.ops.tspc.all_reduce_start(x, op, group, world, tag)
     return torch.ops.tspc.all_reduce_wait(h, x, op, group, world, tag)
-
-
-def all_reduce_gradient(x, group, world, tag):
-    """The sum over ranks of a gradient, in a backward (no gradient flows through it). The
-    wait reads only ``x``'s dtype when traced, and the start keeps only its own copy, so ``x``
-    may die once the start has copied it (an embedding's or LM head's whole gradient)."""
-    return all_reduce(x, "sum", group, world, tag)

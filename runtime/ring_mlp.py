@@ -117,10 +117,9 @@ class RingMLP(torch.autograd.Function):
                 # Issue the next hop before this step's compute: it travels while we compute.
                 nxt = torch.ops.tspc.ring_start(cur, 1, group, world, tag)
             ws = unpack(cur, shapes) if world > 1 else shards
-            ps = _projections(x2, ws, has_bias, orient)
-            if save_projections:
-                saved += ps
-            part = _down(chain(*ps), ws[k], orient[k] == "t")
+            part = _shard_output(
+                x2, ws, chain, has_bias, orient, saved if save_projections else None
+            )
             y = part if y is None else y + part
             if nxt is not None:
                 cur = torch.ops.tspc.ring_wait(nxt, cur, 1, group, world, tag)
@@ -236,7 +235,6 @@ def _chunk(tensors, dims, lo: int, hi: int) -> list[torch.Tensor]:
 
 def _forward_chunked(x2, shards, spec, bounds, world, group, tag):
     chain_key, orient, has_bias, save_projections, _ = spec
-    k = len(has_bias)
     chain = chain_of(chain_key)
     dims = _f_dims(orient, has_bias)
     shapes = [[t.shape for t in _chunk(shards, dims, lo, hi)] for lo, hi in bounds]
@@ -254,10 +252,9 @@ def _forward_chunked(x2, shards, spec, bounds, world, group, tag):
                 buf = cur[j]
                 ws = unpack(buf, shapes[j])
             hop = ring.ring_chunk_start(buf, 1, group, world, tag) if t < world - 1 else None
-            ps = _projections(x2, ws, has_bias, orient)
-            if save_projections:
-                saved += ps
-            part = _down(chain(*ps), ws[k], orient[k] == "t")
+            part = _shard_output(
+                x2, ws, chain, has_bias, orient, saved if save_projections else None
+            )
             y = part if y is None else y + part
             if hop is not None:
                 nxt[j] = ring.ring_chunk_wait(hop, buf, 1, group, world, tag)
@@ -358,6 +355,48 @@ def _projections(x2, ws, has_bias, orient) -> list[torch.Tensor]:
     ]
 
 
+def _chain_backward(chain, ps, g2, w_down, down_t: bool):
+    """The activation chain's output ``h`` on the projections ``ps`` and the chain's
+    derivative: autograd's, for the gradient ``g2`` arriving through the down projection."""
+    with torch.enable_grad():
+        ps = [p.detach().requires_grad_() for p in ps]
+        h = chain(*ps)
+    dh = g2 @ w_down.t() if down_t else g2 @ w_down  # [N, F/D]
+    dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
+    dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
+    return h.detach(), dps
+
+
+def _weight_grads(h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx):
+    """One ring step's gradients of a shard's weights (and biases), in the shard's packing
+    order, each passed through ``accumulate`` as soon as it is computed; and ``dx`` plus this
+    step's input gradient."""
+    k = len(dps)
+    grads: list[torch.Tensor | None] = [None] * n_shards
+    grads[k] = accumulate(k, h.t() @ g2 if orient[k] == "t" else g2.t() @ h)
+    bias_slot = k + 1
+    for i, dp in enumerate(dps):
+        up_t = orient[i] == "t"
+        grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
+        step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
+        dx = step_dx if dx is None else dx + step_dx
+        if has_bias[i]:
+            grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
+            bias_slot += 1
+    return grads, dx
+
+
+def _shard_output(x2, ws, chain, has_bias, orient, saved: list | None) -> torch.Tensor:
+    """One shard's contribution to the MLP's output: ``down(chain(up_1(x), ...))`` with its
+    weights ``ws``; its projections are appended to ``saved`` when that is a list (kept for
+    the backward)."""
+    k = len(has_bias)
+    ps = _projections(x2, ws, has_bias, orient)
+    if saved is not None:
+        saved += ps
+    return _down(chain(*ps), ws[k], orient[k] == "t")
+
+
 def ring_mlp(
     x: torch.Tensor,
     w_in: list[torch.Tensor],
@@ -393,34 +432,3 @@ def ring_mlp(
 
 
 __all__ = ["ring_mlp", "RingMLP", "register_chain", "chain_of", "ring_hop"]
-
-
-def _chain_backward(chain, ps, g2, w_down, down_t: bool):
-    """The activation chain's output ``h`` on the projections ``ps`` and the chain's
-    derivative: autograd's, for the gradient ``g2`` arriving through the down projection."""
-    with torch.enable_grad():
-        ps = [p.detach().requires_grad_() for p in ps]
-        h = chain(*ps)
-    dh = g2 @ w_down.t() if down_t else g2 @ w_down  # [N, F/D]
-    dps = torch.autograd.grad(h, ps, dh, allow_unused=True)
-    dps = [torch.zeros_like(p) if d is None else d for p, d in zip(ps, dps)]
-    return h.detach(), dps
-
-
-def _weight_grads(h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx):
-    """One ring step's gradients of a shard's weights (and biases), in the shard's packing
-    order, each passed through ``accumulate`` as soon as it is computed; and ``dx`` plus this
-    step's input gradient."""
-    k = len(dps)
-    grads: list[torch.Tensor | None] = [None] * n_shards
-    grads[k] = accumulate(k, h.t() @ g2 if orient[k] == "t" else g2.t() @ h)
-    bias_slot = k + 1
-    for i, dp in enumerate(dps):
-        up_t = orient[i] == "t"
-        grads[i] = accumulate(i, x2.t() @ dp if up_t else dp.t() @ x2)
-        step_dx = dp @ ws[i].t() if up_t else dp @ ws[i]
-        dx = step_dx if dx is None else dx + step_dx
-        if has_bias[i]:
-            grads[bias_slot] = accumulate(bias_slot, dp.sum(0))
-            bias_slot += 1
-    return grads, dx

@@ -54,7 +54,7 @@ def test_numbers_not_affine_in_the_length_are_refused():
     graph that is another graph at one length, is refused, never guessed."""
     lengths = (8, 12, 20)
     quadratic = [_graph(n, lambda n: n * n // 16) for n in lengths]
-    with pytest.raises(LengthNotGeneralizable, match="no a \\* \\(S / 2D\\) \\+ b"):
+    with pytest.raises(LengthNotGeneralizable, match="not a \\* \\(S / 2D\\) \\+ b"):
         generalize_sequence_length(quadratic, lengths, "s0", 4)
     other = [_graph(n, lambda n: n // 2) for n in lengths]
     other[2].graph.call_function(torch.relu, (next(iter(other[2].graph.nodes)),))

@@ -489,7 +489,9 @@ class _PerShapeCompiler:
                     )
                     if probe is not None and probe.failed is not None:
                         self.family_failed = True
-                    if probe is not None and probe.failed is None:
+                    elif probe is not None:
+                        # the probe's own graph and arguments are not kept: only what
+                        # ``covers`` reads
                         self.families.append(
                             LengthFamily(
                                 fn,
