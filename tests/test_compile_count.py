@@ -1,6 +1,6 @@
-"""One compile per model and shape: a second training step compiles nothing, a new sequence
-length compiles the rewritten graph once (never the rest again), each compile counted and given
-a reason (``tspc/compiles.py``).
+"""One compile per model and shape family: a second training step compiles nothing; a new
+sequence length compiles once, for every length (``dynamic_seq``, the default), and the lengths
+after it compile nothing; each compile is counted and given a reason (``tspc/compiles.py``).
 
 Counted three ways that do not depend on each other: Dynamo's own counters (how many graphs
 Dynamo traced), calls of the inner compiler (``tspc.backend.compile_inner``, wrapped here), and
@@ -19,9 +19,12 @@ from tspc.launch import spawn
 
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
-# a second step, a new length, a length seen before, the first length again (Dynamo now runs its
-# symbolic graph for it: tspc reuses the compile of Dynamo's static trace)
-LENGTHS = (16, 16, 24, 24, 16)
+# a second step, a new length (Dynamo traces the length symbolically: tspc compiles one program
+# for every length), a length seen before, a third length, the first length again
+LENGTHS = (16, 16, 24, 24, 32, 16)
+# (Dynamo's ``dynamic``, tspc's ``dynamic_seq``): automatic dynamic and the default; the length
+# symbolic from the first call; and the per-length compiles without ``dynamic_seq``
+CASES = ((None, True), (True, True), (True, False))
 
 
 def _steps(rank, world):
@@ -49,7 +52,7 @@ def _steps_counted(inner_calls: list, lines: list) -> dict:
     from tspc.runtime.compat import dynamo_counters
 
     results = {}
-    for dynamic in (None, True):
+    for dynamic, dynamic_seq in CASES:
         torch._dynamo.reset()
         dynamo_counters().clear()
         inner_calls.clear()
@@ -58,14 +61,15 @@ def _steps_counted(inner_calls: list, lines: list) -> dict:
         # legitimately be reused by the second (as Dynamo reuses a graph for another module)
         model = build_reference_model(
             hidden_size=32,
-            intermediate_size=64 if dynamic is None else 96,
+            intermediate_size=64 + 32 * len(results),
             num_layers=1,
             num_heads=4,
             num_kv_heads=2,
         )
         # built before the first call: its first step swaps in the DTensor parameters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options={"inner": "aot_eager"})
+        options = {"inner": "aot_eager", "dynamic_seq": dynamic_seq}
+        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
         per_step = []
         first = max((e.graph_id for e in compiles.EVENTS), default=-1)
         lengths = LENGTHS if dynamic is None else (16, 16, 24, 16)
@@ -76,7 +80,7 @@ def _steps_counted(inner_calls: list, lines: list) -> dict:
             opt.step()
             opt.zero_grad()
             per_step.append(len(inner_calls) - before)
-        results[dynamic] = {
+        results[dynamic, dynamic_seq] = {
             "per_step": per_step,
             "unique_graphs": dynamo_counters()["stats"]["unique_graphs"],
             "tspc": dict(dynamo_counters()["tspc"]),
@@ -95,25 +99,31 @@ def test_second_step_and_new_length_compile_once():
     assert [r[k]["per_step"] for r in results for k in r] == [
         results[0][k]["per_step"] for _ in results for k in results[0]
     ]
-    auto = results[0][None]
+    auto = results[0][None, True]
     # Dynamo: static at the first length, symbolic from the second (automatic dynamic)
     assert auto["unique_graphs"] == 2
-    # tspc: once per distinct length, never at a second step or a length seen before
-    assert auto["per_step"] == [1, 0, 1, 0, 0]
+    # tspc: the first length, then one program for every length at the second; nothing at a
+    # second step, a length seen before, a third length or the first length again
+    assert auto["per_step"] == [1, 0, 1, 0, 0, 0]
     assert auto["kinds"] == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH]
     assert auto["tspc"] == {
         "compiles": 2,
         f"reason:{compiles.NEW_GRAPH}": 1,
         f"reason:{compiles.NEW_SYMBOLIC_GRAPH}": 1,
+        "runs_without_compile": 2,  # 32, and 16 under the symbolic graph
     }
-    # the first length's return reuses the compile of Dynamo's static trace, and says so
-    assert any("no compile for the new shape" in ln and "[2, 16]" in ln for ln in auto["lines"])
-    marked = results[0][True]
-    # dynamic=True: Dynamo traces once; tspc compiles once per length and logs what changed
+    assert any("no compile for the new shape" in ln and "[2, 32]" in ln for ln in auto["lines"])
+    marked = results[0][True, True]
+    # dynamic=True: Dynamo traces once, symbolic; tspc compiles once, for every length
     assert marked["unique_graphs"] == 1
-    assert marked["per_step"] == [1, 0, 1, 0]
-    assert marked["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
-    assert any("[2, 24] (was [2, 16])" in ln for ln in marked["lines"])
+    assert marked["per_step"] == [1, 0, 0, 0]
+    assert marked["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
+    per_length = results[0][True, False]
+    # without dynamic_seq: one compile per distinct length, and the log says what changed
+    assert per_length["unique_graphs"] == 1
+    assert per_length["per_step"] == [1, 0, 1, 0]
+    assert per_length["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
+    assert any("[2, 24] (was [2, 16])" in ln for ln in per_length["lines"])
 
 
 def test_static_compile_is_reused_only_under_the_same_grad_mode():

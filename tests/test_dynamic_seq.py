@@ -1,4 +1,4 @@
-"""``options={"dynamic_seq": True}``: a new sequence length runs the program already compiled.
+"""``dynamic_seq`` (the default): a new sequence length runs the program already compiled.
 
 Once Dynamo has seen two lengths it traces the model with a symbolic length; tspc then compiles
 one program for every length that is a multiple of 2D (``tspc/length_family.py``), and later
@@ -10,6 +10,7 @@ here (``passes/generalize_length.py``).
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 
@@ -115,7 +116,7 @@ def _steps_per_family(inner_calls: list) -> dict:
             ref = AutoModelForCausalLM.from_config(cfg).train()
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(cfg).train()
-        options = {"inner": "aot_eager", "dynamic_seq": True}
+        options = {"inner": "aot_eager"}  # dynamic_seq: the default
         dynamic = None if family == "reference" else True
         cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
         first = max((e.graph_id for e in compiles.EVENTS), default=-1)
@@ -174,3 +175,66 @@ def test_new_lengths_run_the_compiled_program():
             assert llama["unique_graphs"] == 1 and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
             assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2
         assert mistral["tspc"]["compiles"] == 2 and mistral["tspc"]["runs_without_compile"] == 3
+
+
+# --------------------------------------------------------------------------- gloo, D = 4
+
+D4_LENGTHS = (16, 32, 48, 24)  # multiples of 2D = 8: one program, compiled at the first
+
+
+def _sharded_dumped_steps(rank, world, dump_dir):
+    """The reference model symbolic from the first call, its outputs left sharded, a dump
+    written: every length against one process, this rank's zigzag rows of it."""
+    from samples.reference_model import build_reference_model
+    from tspc import last_report
+    from tspc.runtime.zigzag import zigzag_indices
+
+    with counting_inner_compiles() as inner_calls:
+        kw = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4)
+        ref, model = (build_reference_model(**kw, num_kv_heads=2) for _ in range(2))
+        options = {"inner": "aot_eager", "outputs": "sharded", "dump_dir": dump_dir}
+        cm = torch.compile(model, backend="tsp", dynamic=True, options=options)
+        steps = []
+        for s in D4_LENGTHS:
+            before = len(inner_calls)
+            ids = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s))
+            expected = ref(ids)
+            local = cm(ids)
+            mine = expected[:, zigzag_indices(s, rank, world)]
+            # the loss over the whole sequence is the sum of every rank's part of it
+            expected.float().square().sum().backward()
+            local.float().square().sum().backward()
+            err, _ = grad_error(ref, model)
+            ref.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            steps.append(
+                {
+                    "compiles": len(inner_calls) - before,
+                    "shape": tuple(local.shape),
+                    "out": ((local - mine).abs().max() / mine.abs().max()).item(),
+                    "grad": err,
+                }
+            )
+    return {"steps": steps, "summary": last_report().summary()}
+
+
+@pytest.mark.slow
+def test_one_program_at_d4_with_sharded_outputs_and_a_dump(tmp_path):
+    results = spawn(_sharded_dumped_steps, 4, str(tmp_path), timeout=600)
+    for rank, r in enumerate(results):
+        assert [s["compiles"] for s in r["steps"]] == [1, 0, 0, 0], r
+        assert [s["shape"][1] for s in r["steps"]] == [n // 4 for n in D4_LENGTHS]
+        for step in r["steps"]:
+            assert step["out"] < 1e-5 and step["grad"] < 1e-5, (rank, step)
+        assert "one program for every length that is a multiple of 8" in r["summary"]
+        # the dump reads the program's symbolic schedule at the length it was compiled at
+        # (16): its bytes per kind equal what the runtime counted at that first call
+        (graph,) = (tmp_path / f"rank{rank}").glob("graph*")  # one compile: one graph
+        dumped = json.loads((graph / "report.json").read_text())
+        read = dumped["comm_bytes"]["forward"]["per_kind"]
+        counted = dumped["measured"]["forward"]["per_kind"]
+        assert read["all_gather"] > 0 and read["broadcast"] + read["ring"] > 0
+        assert {k: v for k, v in read.items() if v} == {
+            k: v["recv_bytes"] for k, v in counted.items()
+        }
+        assert "NEVER WAITED" not in (graph / "schedule.txt").read_text()

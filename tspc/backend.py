@@ -8,8 +8,8 @@ the inner compiler (``tspc/inner.py``).
 A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
 values) is compiled per concrete shape at its first call with that shape: the passes bake the
 local sequence length into shapes, and every rank sees the same shapes in the same order, so all
-ranks compile the same graphs. With ``options={"dynamic_seq": True}`` the first such length
-that is a multiple of 2D is compiled once for every length of that kind instead
+ranks compile the same graphs. With ``dynamic_seq`` (the default) the first such length that is
+a multiple of 2D is compiled once for every length of that kind instead
 (``tspc/length_family.py``), and later lengths run that program.
 """
 
@@ -289,6 +289,9 @@ def _compile_for_lengths(
             log.warning("tspc: dynamic_seq: %s", probe.failed)
         else:
             event.seconds["aot+forward"] = time.perf_counter() - t1
+            report.serves_lengths = f"every length that is a multiple of {probe.chunks}" + (
+                f" up to {probe.longest}" if probe.longest is not None else ""
+            )
             lengths = ", ".join(str(n) for n in probe.lengths)
             report.notes.append(
                 f"dynamic_seq: one program for every length that is a multiple of {probe.chunks} "

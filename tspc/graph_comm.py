@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from tspc.runtime.comm import START_KIND, is_transfer_start, is_transfer_wait, wait_of
 from tspc.runtime.compat import OpOverload
@@ -176,7 +177,7 @@ def recv_bytes(kind: str, args: dict, rank: int) -> int:
     are the start op's arguments, tensors given as (fake) tensors."""
     x = args["x"]
     world = int(args["world"])
-    numel = int(args["numel"]) if kind == "broadcast" else x.numel()
+    numel = _concrete(args["numel"] if kind == "broadcast" else x.numel())
     root = {"broadcast": "src", "reduce": "dst"}.get(kind)
     is_root = root is not None and rank == args[root]
     message = message_bytes(kind, numel, x.dtype, world, args.get("op", "sum"))
@@ -194,8 +195,15 @@ _DTYPE_SHORT = {
 }
 
 
+def _concrete(size: int | torch.SymInt) -> int:
+    """A size of the graph as a number. The program compiled for every length
+    (``tspc/length_family.py``) has sizes in the sequence length's symbol: its schedule is read
+    at the length it was compiled at (the symbol's hint)."""
+    return size if isinstance(size, int) else int(guarding_hint_or_throw(size))
+
+
 def describe(t: torch.Tensor) -> str:
-    return f"{_DTYPE_SHORT.get(t.dtype, str(t.dtype))}{list(t.shape)}"
+    return f"{_DTYPE_SHORT.get(t.dtype, str(t.dtype))}{[_concrete(d) for d in t.shape]}"
 
 
 def read_schedule(gm: fx.GraphModule, rank: int, label: str) -> GraphSchedule:

@@ -1,8 +1,8 @@
-"""One compiled program for every sequence length of a family (``options={"dynamic_seq": True}``).
+"""One compiled program for every sequence length of a family (``dynamic_seq``, the default).
 
 Dynamo traces a graph with a symbolic sequence length once it has seen two lengths; tspc's
-passes need concrete shapes, so by default every new length runs the passes and the inner
-compiler again (``tspc/backend.py``, ``_PerShapeCompiler``). With ``dynamic_seq`` the first
+passes need concrete shapes, so without ``dynamic_seq`` every new length runs the passes and the
+inner compiler again (``tspc/backend.py``, ``_PerShapeCompiler``). With it the first
 length ``S`` of such a graph that is a multiple of 2D is compiled for the whole family instead:
 
 1. the pipeline runs at ``S`` (the real compile: its report, its weight shards) and, as probes
@@ -26,7 +26,8 @@ multiples of 2D only), coincidences of the length with another size (which chang
 a probe, and are refused), and a mask's window dropped as at least as wide as the sequence: the
 mask report says up to which length that holds (``longest``), the probes stay within it, and a
 family serves no length beyond it (a longer length gets a second program). A threshold no probe
-crosses that the passes do not report would not be seen, hence an option.
+crosses that the passes do not report would not be seen; ``dynamic_seq=False`` compiles every
+length on its own.
 """
 
 from __future__ import annotations

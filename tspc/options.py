@@ -56,7 +56,7 @@ class TSPOptions:
         (default) picks about 8M logits a chunk, 0 leaves the loss as traced.
     dynamic_seq: a graph Dynamo traced with a symbolic sequence length is compiled once for
         every length that is a multiple of 2D (``tspc/length_family.py``): a new length runs
-        the compiled program, with no pass and no inner compile. Off (default): each new
+        the compiled program, with no pass and no inner compile (default). Off: each new
         length is one compile of the passes and the inner compiler.
     ring_chunks: the MLP ring's hops in this many sub-shard chunks (``ring_mlp(...,
         hop_chunks=)``): about one shard and one chunk of weights (and, in backward, of
@@ -78,7 +78,7 @@ class TSPOptions:
     check_inputs: bool = False
     recompute: str = "none"
     loss_chunk: int | None = None
-    dynamic_seq: bool = False
+    dynamic_seq: bool = True
     ring_chunks: int | None = None
 
     @classmethod

@@ -27,7 +27,11 @@ class ModuleEntry:
 class CompileReport:
     rank: int
     world: int
+    # the sequence length this graph was compiled at
     seq_len: int | None = None
+    # the program compiled for every length (``dynamic_seq``): which lengths it serves, e.g.
+    # "every multiple of 4 up to 4096"; later lengths it runs make no report of their own
+    serves_lengths: str = ""
     # the length the ranks ran: seq_len padded to a multiple of 2D when it does not split
     # into 2D zigzag chunks (None when the sequence was not sharded)
     padded_seq_len: int | None = None
@@ -76,6 +80,7 @@ class CompileReport:
                 if self.padded_seq_len and self.padded_seq_len != self.seq_len
                 else ""
             )
+            + (f"; one program for {self.serves_lengths}" if self.serves_lengths else "")
         ]
         if self.compile_reason:
             lines.append(f"  compiled because: {self.compile_reason}")
