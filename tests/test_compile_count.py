@@ -2,7 +2,8 @@
 sequence length compiles once, for every length (``dynamic_seq``, the default), and the lengths
 after it compile nothing; each compile is counted and given a reason (``tspc/compiles.py``).
 
-Counted three ways that do not depend on each other: Dynamo's own counters (how many graphs
+Every step's output is checked against the same model trained in one process. Counted three
+ways that do not depend on each other: Dynamo's own counters (how many graphs
 Dynamo traced), calls of the inner compiler (``tspc.backend.compile_inner``, wrapped here), and
 tspc's compile records, whose kinds say why each compile happened.
 """
@@ -20,8 +21,9 @@ from tspc.launch import spawn
 pytestmark = pytest.mark.slow  # whole-model compiles in this process: seconds each
 
 # a second step, a new length (Dynamo traces the length symbolically: tspc compiles one program
-# for every length), a length seen before, a third length, the first length again
-LENGTHS = (16, 16, 24, 24, 32, 16)
+# for every length), a length seen before, a third length, the first length again, and a length
+# that is no multiple of 2D (tspc pads it: compiled for that length alone)
+LENGTHS = (16, 16, 24, 24, 32, 16, 18)
 # (Dynamo's ``dynamic``, tspc's ``dynamic_seq``): automatic dynamic and the default; the length
 # symbolic from the first call; and the per-length compiles without ``dynamic_seq``
 CASES = ((None, True), (True, True), (True, False))
@@ -59,29 +61,30 @@ def _steps_counted(inner_calls: list, lines: list) -> dict:
         lines.clear()
         # another MLP width per case: a graph of the same shapes compiled by the first case may
         # legitimately be reused by the second (as Dynamo reuses a graph for another module)
-        model = build_reference_model(
-            hidden_size=32,
-            intermediate_size=64 + 32 * len(results),
-            num_layers=1,
-            num_heads=4,
-            num_kv_heads=2,
-        )
+        kw = dict(hidden_size=32, intermediate_size=64 + 32 * len(results), num_layers=1)
+        model, ref = (build_reference_model(**kw, num_heads=4, num_kv_heads=2) for _ in range(2))
         # built before the first call: its first step swaps in the DTensor parameters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         options = {"inner": "aot_eager", "dynamic_seq": dynamic_seq}
         cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
-        per_step = []
+        per_step, errors = [], []
         first = max((e.graph_id for e in compiles.EVENTS), default=-1)
         lengths = LENGTHS if dynamic is None else (16, 16, 24, 16)
         for s in lengths:
             before = len(inner_calls)
             ids = torch.randint(0, 256, (2, s), generator=torch.Generator().manual_seed(s))
-            cm(ids).float().sum().backward()
-            opt.step()
-            opt.zero_grad()
+            out, expected = cm(ids), ref(ids)
+            # the output after every earlier step's update: the programs' gradients were right
+            errors.append(((out - expected).abs().max() / expected.abs().max()).item())
+            for o, m in ((out, opt), (expected, ref_opt)):
+                o.float().square().mean().backward()
+                m.step()
+                m.zero_grad()
             per_step.append(len(inner_calls) - before)
         results[dynamic, dynamic_seq] = {
             "per_step": per_step,
+            "errors": errors,
             "unique_graphs": dynamo_counters()["stats"]["unique_graphs"],
             "tspc": dict(dynamo_counters()["tspc"]),
             "kinds": [e.kind for e in compiles.events(first)],
@@ -99,17 +102,21 @@ def test_second_step_and_new_length_compile_once():
     assert [r[k]["per_step"] for r in results for k in r] == [
         results[0][k]["per_step"] for _ in results for k in results[0]
     ]
+    for r in results:  # every step of every case equals one process
+        assert all(max(case["errors"]) < 1e-5 for case in r.values()), r
     auto = results[0][None, True]
     # Dynamo: static at the first length, symbolic from the second (automatic dynamic)
     assert auto["unique_graphs"] == 2
     # tspc: the first length, then one program for every length at the second; nothing at a
-    # second step, a length seen before, a third length or the first length again
-    assert auto["per_step"] == [1, 0, 1, 0, 0, 0]
-    assert auto["kinds"] == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH]
+    # second step, a length seen before, a third length or the first length again; the padded
+    # length alone
+    assert auto["per_step"] == [1, 0, 1, 0, 0, 0, 1]
+    assert auto["kinds"] == [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
     assert auto["tspc"] == {
-        "compiles": 2,
+        "compiles": 3,
         f"reason:{compiles.NEW_GRAPH}": 1,
         f"reason:{compiles.NEW_SYMBOLIC_GRAPH}": 1,
+        f"reason:{compiles.NEW_SHAPE}": 1,
         "runs_without_compile": 2,  # 32, and 16 under the symbolic graph
     }
     assert any("no compile for the new shape" in ln and "[2, 32]" in ln for ln in auto["lines"])

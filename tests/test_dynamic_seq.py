@@ -65,23 +65,19 @@ def test_numbers_not_affine_in_the_length_are_refused():
 
 # --------------------------------------------------------------------------- gloo, D = 2
 
-# The reference model under Dynamo's automatic dynamic shapes: two steps at the first length
-# (Dynamo's static trace), the second length (Dynamo's symbolic trace: tspc compiles the family
-# program), then lengths that program runs: longer, shorter, the first again; last a length that
-# must be padded (not a multiple of 2D): compiled alone. Llama (its loss in the graph) with
-# ``dynamic=True``: symbolic from the first call, which compiles the family program. Mistral with
+# (The reference model under Dynamo's automatic dynamic shapes, with a padded length and its
+# outputs against one process at every step, is tests/test_compile_count.py's.) Llama (its loss
+# in the graph) with ``dynamic=True``: symbolic from the first call, which compiles the family program. Mistral with
 # a sliding window of 32 (``dynamic=True``): at 24 the window is wider than the sequence and the
 # mask is plain causal, so that program serves lengths up to 32 only; 40 gets a second program
 # (with the window), which 64 runs; 32 and 8 run the first.
 LENGTHS = {
-    "reference": (16, 16, 24, 40, 8, 16, 18),
     "llama": (16, 16, 24, 40),
     "mistral": (24, 40, 32, 64, 8),
 }
 if not os.environ.get("TSPC_EXTENDED"):  # Mistral covers the same path (HF, loss in graph)
     del LENGTHS["llama"]
 COMPILES = {
-    "reference": [1, 0, 1, 0, 0, 0, 1],
     "llama": [1, 0, 0, 0],
     "mistral": [1, 1, 0, 0, 0],
 }
@@ -95,7 +91,6 @@ def _dynamic_steps(rank, world):
 def _steps_per_family(inner_calls: list) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from samples.reference_model import build_reference_model
     from tspc import compiles
     from tspc.runtime.compat import dynamo_counters
 
@@ -104,33 +99,26 @@ def _steps_per_family(inner_calls: list) -> dict:
         torch._dynamo.reset()
         dynamo_counters().clear()
         inner_calls.clear()
-        if family == "reference":
-            kw = dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4)
-            ref, model = (build_reference_model(**kw, num_kv_heads=2) for _ in range(2))
-        else:
-            cfg = AutoConfig.for_model(family, **HF_SMALL)
-            cfg._attn_implementation = "sdpa"
-            if family == "mistral":
-                cfg.sliding_window = 32
-            torch.manual_seed(0)
-            ref = AutoModelForCausalLM.from_config(cfg).train()
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg).train()
+        # one layer: the window's meaning per length is decided per layer alike
+        cfg = AutoConfig.for_model(family, **{**HF_SMALL, "num_hidden_layers": 1})
+        cfg._attn_implementation = "sdpa"
+        if family == "mistral":
+            cfg.sliding_window = 32
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(cfg).train()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).train()
         options = {"inner": "aot_eager"}  # dynamic_seq: the default
-        dynamic = None if family == "reference" else True
-        cm = torch.compile(model, backend="tsp", dynamic=dynamic, options=options)
+        cm = torch.compile(model, backend="tsp", dynamic=True, options=options)
         first = max((e.graph_id for e in compiles.EVENTS), default=-1)
         steps = []
         for s in LENGTHS[family]:
             before = len(inner_calls)
             ids = torch.randint(1, 128, (2, s), generator=torch.Generator().manual_seed(s))
-            if family == "reference":
-                expected, got = ref(ids), cm(ids)
-                loss_ref, loss = expected.float().square().mean(), got.float().square().mean()
-            else:  # the loss inside the graph
-                expected, got = ref(input_ids=ids, labels=ids), cm(input_ids=ids, labels=ids)
-                loss_ref, loss = expected.loss, got.loss
-                expected, got = expected.logits, got.logits
+            # the loss inside the graph
+            expected, got = ref(input_ids=ids, labels=ids), cm(input_ids=ids, labels=ids)
+            loss_ref, loss = expected.loss, got.loss
+            expected, got = expected.logits, got.logits
             out_err = ((got - expected).abs().max() / expected.abs().max()).item()
             loss_ref.backward()
             loss.backward()
@@ -157,20 +145,13 @@ def test_new_lengths_run_the_compiled_program():
         for family, r in per_rank.items():
             for step in r["steps"]:  # every length equals one process
                 assert step["out"] < 1e-5 and step["grad"] < 1e-5, (family, step)
-            # inner compiles: the reference model's first length (Dynamo's static trace), its
-            # second (the family program) and its padded length; Llama's first (the family
-            # program); Mistral's first and the first beyond its window; none at a second step
-            # or at any other new length
+            # inner compiles: Llama's first length (the family program); Mistral's first and
+            # the first beyond its window; none at a second step or at any other new length
             assert [s["compiles"] for s in r["steps"]] == COMPILES[family], (family, r)
-        ref, mistral = per_rank["reference"], per_rank["mistral"]
-        assert ref["unique_graphs"] == 2  # Dynamo's traces: static, then symbolic
+        mistral = per_rank["mistral"]
         assert mistral["unique_graphs"] == 1
-        kinds = [compiles.NEW_GRAPH, compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
-        assert ref["kinds"] == kinds
         assert mistral["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH, compiles.NEW_SHAPE]
-        # run by a family program with no compile: 40, 8 and 16 again; Llama's 24 and 40;
-        # Mistral's 32, 64 and 8
-        assert ref["tspc"]["compiles"] == 3 and ref["tspc"]["runs_without_compile"] == 3, ref
+        # run by a family program with no compile: Llama's 24 and 40; Mistral's 32, 64 and 8
         if llama := per_rank.get("llama"):  # extended tier
             assert llama["unique_graphs"] == 1 and llama["kinds"] == [compiles.NEW_SYMBOLIC_GRAPH]
             assert llama["tspc"]["compiles"] == 1 and llama["tspc"]["runs_without_compile"] == 2

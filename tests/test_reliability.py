@@ -75,10 +75,11 @@ def test_two_d_mesh_needs_mesh_dim(fake_group):
 
 def shapes_worker(rank: int, world: int) -> list[float]:
     errs = []
-    model = build_reference_model(seed=0, num_layers=2)
-    ref = build_reference_model(seed=0, num_layers=2)
+    # one layer: what is checked is the compiles per shape, not the layers' schedule
+    model = build_reference_model(seed=0, num_layers=1)
+    ref = build_reference_model(seed=0, num_layers=1)
     compiled = torch.compile(model, backend="tsp")
-    dyn = torch.compile(build_reference_model(seed=0, num_layers=2), backend="tsp", dynamic=True)
+    dyn = torch.compile(build_reference_model(seed=0, num_layers=1), backend="tsp", dynamic=True)
     for seq in (16, 24, 40):
         for batch in (1, 2):
             ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seq))
