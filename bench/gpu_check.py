@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from tspc.ops.zigzag_attention import zigzag_causal_attention
 from tspc.runtime.zigzag import zigzag_slice, zigzag_unshard
+from tspc.tools.plan import ModelShape
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -153,10 +155,10 @@ class _WithLoss(torch.nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def end_to_end(device: str, cfg: dict, seq: int, iters: int, inner: str) -> list[list]:
+def end_to_end(device: str, cfg: ModelShape, seq: int, iters: int, inner: str) -> list[list]:
     """Section 3: D = 1 tsp vs Inductor (rows: name, params B, compile s, step ms, tok/s,
     peak GiB, first loss)."""
-    from tspc.samples.reference_model import build_reference_model
+    from tspc.tools.measure import reference_model
 
     rows = []
     backends = [("inductor", "inductor", None), ("tsp", "tsp", {"inner": inner})]
@@ -164,14 +166,14 @@ def end_to_end(device: str, cfg: dict, seq: int, iters: int, inner: str) -> list
         backends[0] = ("eager", None, None)  # no Inductor compile on the smoke path
     for name, backend, options in backends:
         torch._dynamo.reset()
-        model = build_reference_model(**cfg).to(device=device, dtype=torch.bfloat16)
+        model = reference_model(cfg).to(device=device, dtype=torch.bfloat16)
         n_params = sum(p.numel() for p in model.parameters()) / 1e9
         step_model = _WithLoss(model)
         if backend is not None:
             step_model = torch.compile(step_model, backend=backend, options=options)
         g = torch.Generator(device="cpu").manual_seed(1)
-        ids = torch.randint(0, cfg["vocab_size"], (1, seq), generator=g).to(device)
-        targets = torch.randint(0, cfg["vocab_size"], (1, seq), generator=g).to(device)
+        ids = torch.randint(0, cfg.vocab, (1, seq), generator=g).to(device)
+        targets = torch.randint(0, cfg.vocab, (1, seq), generator=g).to(device)
         _peak_reset(device)
         t0 = time.perf_counter()
         loss = step_model(ids, targets)
@@ -208,28 +210,14 @@ def _table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-MODEL_1B = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_layers=16,
-    num_heads=16,
-    num_kv_heads=8,
-)
-MODEL_SMOKE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-)
+MODEL_1B = ModelShape(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vocab=32000)
+MODEL_SMOKE = ModelShape(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, vocab=256)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (no GPU needed)")
-    p.add_argument("--layers", type=int, default=MODEL_1B["num_layers"])
+    p.add_argument("--layers", type=int, default=MODEL_1B.layers)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--inner", default="inductor", help="tsp's inner compiler (section 3)")
@@ -247,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         device, seq, iters, inner = "cuda", a.seq, a.iters, a.inner
-        cfg = dict(MODEL_1B, num_layers=a.layers)
+        cfg = replace(MODEL_1B, layers=a.layers)
         attn = dict(b=1, hq=16, hkv=4, s=8192, d=128)
     t0 = time.perf_counter()
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)"

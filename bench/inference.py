@@ -25,7 +25,6 @@ modes at the same D are what the run shows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.cli import parser_with  # noqa: E402
 from samples.generate_tsp import build  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
 
@@ -133,29 +133,16 @@ def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt", type=int, default=16384)
-    ap.add_argument("--new", type=int, default=16)
+    ap = parser_with(
+        __doc__.split("\n\n")[0], prompt=16384, new=16, hidden=256, intermediate=688, heads=8,
+        kv_heads=4, layers=2, vocab=512,
+    )  # fmt: skip
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--modes", nargs="+", default=["tsp", "tp"])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--intermediate", type=int, default=688)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
-    args = {
-        "prompt": a.prompt,
-        "new": a.new,
-        "hidden": a.hidden,
-        "intermediate": a.intermediate,
-        "heads": a.heads,
-        "kv_heads": a.kv_heads,
-        "layers": a.layers,
-        "vocab": a.vocab,
-    }
+    # what each rank is given: the prompt and the model's sizes
+    args = {k: v for k, v in vars(a).items() if k not in ("devices", "modes", "json")}
     rows = []
     one = spawn(run_rank, 1, "one", args, timeout=3600)[0]
     rows.append(("one", 1, one))

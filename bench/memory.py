@@ -49,7 +49,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
+from tspc.tools.plan import ModelShape
 
 MB = 1e6
 BOUND_FACTOR = 1.25
@@ -74,40 +76,35 @@ class BenchConfig:
 
     name: str
     description: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
+    model: ModelShape
     seq: int
     batch: int = 1
 
-    def model_kwargs(self) -> dict[str, Any]:
-        return {
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "num_layers": self.layers,
-            "num_heads": self.heads,
-            "num_kv_heads": self.kv_heads,
-        }
-
-    @property
-    def layer_params(self) -> int:
-        """Matched weights per layer: q, k, v, o and gate, up, down."""
-        head_dim = self.hidden // self.heads
-        q, kv = self.heads * head_dim, self.kv_heads * head_dim
-        return 2 * self.hidden * q + 2 * self.hidden * kv + 3 * self.hidden * self.intermediate
-
     def shard_bytes(self, devices: int, elem: int = 4) -> float:
         """One weight shard: one layer's matched weights / D, in bytes (fp32)."""
-        return self.layer_params / devices * elem
+        return self.model.layer_params / devices * elem
+
+    def quick(self) -> BenchConfig:
+        """The same configuration scaled down for a smoke run (seconds per row): half the
+        width, two layers of four heads (no GQA), a vocabulary of 256, a quarter of the
+        sequence."""
+        m = self.model
+        return BenchConfig(
+            self.name,
+            f"{self.description} (quick)",
+            ModelShape(
+                hidden=m.hidden // 2, layers=2, heads=4, kv_heads=4,
+                intermediate=m.intermediate // 2, vocab=256,
+            ),
+            seq=self.seq // 4,
+            batch=self.batch,
+        )  # fmt: skip
 
     def summary(self) -> str:
+        m = self.model
         return (
-            f"h={self.hidden} I={self.intermediate} L={self.layers} heads={self.heads}/"
-            f"{self.kv_heads}kv vocab={self.vocab} B={self.batch} S={self.seq} fp32"
+            f"h={m.hidden} I={m.intermediate} L={m.layers} heads={m.heads}/"
+            f"{m.kv_heads}kv vocab={m.vocab} B={self.batch} S={self.seq} fp32"
         )
 
 
@@ -116,36 +113,22 @@ CONFIGS: dict[str, BenchConfig] = {
     for c in (
         BenchConfig(
             "weights", "weight-dominated: short sequence, wide model",
-            hidden=512, intermediate=2048, layers=4, heads=8, kv_heads=8, vocab=1024, seq=128,
+            ModelShape(hidden=512, layers=4, heads=8, kv_heads=8, intermediate=2048, vocab=1024),
+            seq=128,
         ),
         BenchConfig(
             "both", "weights and activations both matter",
-            hidden=256, intermediate=1024, layers=4, heads=8, kv_heads=4, vocab=512, seq=1024,
+            ModelShape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=1024, vocab=512),
+            seq=1024,
         ),
         BenchConfig(
             "activations", "activation-dominated: long sequence, narrow model",
-            hidden=128, intermediate=512, layers=2, heads=4, kv_heads=4, vocab=512, seq=4096,
+            ModelShape(hidden=128, layers=2, heads=4, kv_heads=4, intermediate=512, vocab=512),
+            seq=4096,
         ),
     )
 }  # fmt: skip
-
-QUICK_CONFIGS: dict[str, BenchConfig] = {
-    c.name: c
-    for c in (
-        BenchConfig(
-            "weights", "weight-dominated (quick)",
-            hidden=256, intermediate=1024, layers=2, heads=4, kv_heads=4, vocab=256, seq=32,
-        ),
-        BenchConfig(
-            "both", "weights and activations (quick)",
-            hidden=128, intermediate=512, layers=2, heads=4, kv_heads=4, vocab=256, seq=256,
-        ),
-        BenchConfig(
-            "activations", "activation-dominated (quick)",
-            hidden=64, intermediate=256, layers=2, heads=4, kv_heads=4, vocab=256, seq=1024,
-        ),
-    )
-}  # fmt: skip
+QUICK_CONFIGS: dict[str, BenchConfig] = {name: c.quick() for name, c in CONFIGS.items()}
 
 
 @dataclass(frozen=True)
@@ -201,8 +184,8 @@ class Job:
 
 def _data(config: BenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab, (config.batch, config.seq), generator=g)
-    targets = torch.randint(0, config.vocab, (config.batch, config.seq), generator=g)
+    ids = torch.randint(0, config.model.vocab, (config.batch, config.seq), generator=g)
+    targets = torch.randint(0, config.model.vocab, (config.batch, config.seq), generator=g)
     return ids, targets
 
 
@@ -218,12 +201,11 @@ def _checkpoint_blocks(model: torch.nn.Module) -> None:
 def _build(job: Job) -> tuple[torch.nn.Module, Any]:
     """The (loss-wrapped) model and the callable a step runs."""
     from bench.baselines import build_tp, build_tp_sp
-    from samples.reference_model import build_reference_model
-    from tspc.tools.measure import LossModel
+    from tspc.tools.measure import LossModel, reference_model
 
     recompute = job.scheme.endswith(RECOMPUTE_SUFFIX)
     scheme = job.scheme.removesuffix(RECOMPUTE_SUFFIX)
-    base = build_reference_model(**job.config.model_kwargs())
+    base = reference_model(job.config.model)
     if scheme == "tp":
         base = build_tp(base)
     elif scheme == "tp_sp":
@@ -588,18 +570,10 @@ def configs_from_args(args: argparse.Namespace) -> list[BenchConfig]:
     out = []
     for name in names:
         cfg = source[name]
-        overrides = {
-            k: v
-            for k, v in (
-                ("seq", args.seq),
-                ("layers", args.layers),
-                ("hidden", args.hidden),
-                ("intermediate", args.intermediate),
-                ("batch", args.batch),
-            )
-            if v is not None
-        }
-        out.append(BenchConfig(**{**asdict(cfg), **overrides}))
+        given = {k: getattr(args, k) for k in ("seq", "layers", "hidden", "intermediate", "batch")}
+        given = {k: v for k, v in given.items() if v is not None}
+        shape = {k: given.pop(k) for k in ("layers", "hidden", "intermediate") if k in given}
+        out.append(replace(cfg, model=replace(cfg.model, **shape), **given))
     return out
 
 

@@ -71,35 +71,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tspc.tools.plan import ModelShape
+
 # --------------------------------------------------------------------------------------------
 # What is measured
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-    def kwargs(self) -> dict[str, int]:
-        return {
-            "hidden_size": self.hidden,
-            "intermediate_size": self.intermediate,
-            "num_layers": self.layers,
-            "num_heads": self.heads,
-            "num_kv_heads": self.kv_heads,
-            "vocab_size": self.vocab,
-        }
-
-    def describe(self) -> str:
-        return (
-            f"h={self.hidden}, {self.heads} heads ({self.kv_heads} KV), F={self.intermediate}, "
-            f"{self.layers} layers, vocab {self.vocab}"
-        )
+def describe(model: ModelShape) -> str:
+    return (
+        f"h={model.hidden}, {model.heads} heads ({model.kv_heads} KV), F={model.intermediate}, "
+        f"{model.layers} layers, vocab {model.vocab}"
+    )
 
 
 @dataclass(frozen=True)
@@ -127,30 +110,34 @@ class Plan:
     iters: int = 7
     inner: str = "aot_eager"
     compile_layers: int = 32
-    compile_model: ModelShape = ModelShape(64, 128, 32, 4, 2, 256)
+    compile_model: ModelShape = ModelShape(
+        hidden=64, layers=32, heads=4, kv_heads=2, intermediate=128, vocab=256
+    )
     compile_tokens: Tokens = Tokens("compile", 2, 64)
     device: str = "cpu"
     sections: tuple[str, ...] = ("a", "b", "c", "d")
     # section (a)'s second model (the first is ``model`` at ``long``) and its repeats
-    a_model: ModelShape = ModelShape(256, 704, 4, 8, 2, 512)
+    a_model: ModelShape = ModelShape(
+        hidden=256, layers=4, heads=8, kv_heads=2, intermediate=704, vocab=512
+    )
     a_tokens: Tokens = Tokens("elementwise", 2, 256)
     a_repeats: int = 3
 
 
 FULL = Plan(
-    model=ModelShape(hidden=128, intermediate=384, layers=2, heads=8, kv_heads=4, vocab=512),
+    model=ModelShape(hidden=128, layers=2, heads=8, kv_heads=4, intermediate=384, vocab=512),
     long=Tokens("long", 2, 2048),  # 4096 tokens: 4 x 8h
     short=Tokens("short", 1, 256),  # 256 tokens: 8h / 4
 )
 QUICK = Plan(
-    model=ModelShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=4, vocab=256),
+    model=ModelShape(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=128, vocab=256),
     long=Tokens("long", 2, 512),  # 1024 tokens: 2 x 8h
     short=Tokens("short", 1, 64),  # 64 tokens: 8h / 8
     warmup=1,
     iters=3,
-    compile_model=ModelShape(64, 128, 8, 4, 2, 256),
+    compile_model=ModelShape(hidden=64, layers=8, heads=4, kv_heads=2, intermediate=128, vocab=256),
     compile_layers=8,
-    a_model=ModelShape(64, 192, 2, 8, 2, 256),
+    a_model=ModelShape(hidden=64, layers=2, heads=8, kv_heads=2, intermediate=192, vocab=256),
     a_tokens=Tokens("elementwise", 2, 64),
     a_repeats=2,
 )
@@ -206,9 +193,9 @@ def _compiler_for(inner: str) -> dict[str, Any]:
 def build_runner(key: str, model_shape: ModelShape, inner: str, fake_group=None) -> Runner:
     """``key``: eager, inductor, aot_eager, tsp[:inner], tsp_no_overlap, tsp_no_comm, tp_sp, tp."""
     from bench.baselines import build_tp, build_tp_sp
-    from samples.reference_model import build_reference_model
+    from tspc.tools.measure import reference_model
 
-    base = build_reference_model(**model_shape.kwargs())
+    base = reference_model(model_shape)
     if key == "tp":
         base = build_tp(base)
     elif key == "tp_sp":
@@ -334,7 +321,7 @@ def compile_time_worker(queue, plan: Plan, world: int) -> None:
 
     import tspc.backend
     import tspc.inner
-    from samples.reference_model import build_reference_model
+    from tspc.tools.measure import reference_model
 
     torch.set_num_threads(1)
     if world > 1:
@@ -363,7 +350,7 @@ def compile_time_worker(queue, plan: Plan, world: int) -> None:
     result: dict[str, float] = {}
     for key in ("aot_eager", "tsp", "aot_eager_again", "tsp_again"):
         torch._dynamo.reset()
-        model = LossModel(build_reference_model(**plan.compile_model.kwargs()))
+        model = LossModel(reference_model(plan.compile_model))
         if key.startswith("tsp"):
             run = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
         else:
@@ -467,14 +454,14 @@ def section_a(plan: Plan, progress: Callable[[str], None]) -> tuple[list[Row], d
         runs = []
         for rep in range(plan.a_repeats):
             progress(
-                f"(a) D = 1 on {plan.device}, {model.describe()}, B x S = {tokens.batch} x "
+                f"(a) D = 1 on {plan.device}, {describe(model)}, B x S = {tokens.batch} x "
                 f"{tokens.seq}: process {rep + 1}/{plan.a_repeats} "
                 f"({'cold' if rep == 0 else 'warm'} caches)"
             )
             (res,) = spawn(one_process_worker, 1, plan, keys, model, tokens, timeout=3600, env=env)
             runs.append(res)
-        raw[f"{model.describe()} {tokens.name}"] = runs
-        desc = f"{model.describe()}; {tokens.describe(model.hidden)}"
+        raw[f"{describe(model)} {tokens.name}"] = runs
+        desc = f"{describe(model)}; {tokens.describe(model.hidden)}"
         for k in keys:
             ms = statistics.median(step_ms([r], k) for r in runs)
             ratio = statistics.median(step_ms([r], "inductor") / step_ms([r], k) for r in runs)
@@ -659,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_from_args(args)
     cmd = "python bench/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"$ {cmd.strip()}")
-    print(f"model: {plan.model.describe()}; TSP inner compiler and baselines: {plan.inner}")
+    print(f"model: {describe(plan.model)}; TSP inner compiler and baselines: {plan.inner}")
     print(f"{plan.warmup} warm-up + {plan.iters} timed steps per row (median of the slowest rank)")
 
     def progress(msg: str) -> None:

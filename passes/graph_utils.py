@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -189,17 +190,32 @@ _VIEW_ATEN = {
 }
 
 
-def is_view(n: fx.Node) -> bool:
-    """Whether ``n``'s result may be a view of its input (the one predicate: in-place writes
-    into a view are live, the schedule moves free views with their transfer)."""
+def calls_one_of(
+    n: fx.Node,
+    methods: Collection[str],
+    functions: Collection[Any],
+    overload: Callable[[OpOverload], bool],
+) -> bool:
+    """Whether ``n`` calls one of a family of ops, in each of the forms a graph names them: a
+    Tensor method (by name), a Python-level function, or an ATen overload (``overload(op)``)."""
     if n.op == "call_method":
-        return n.target in _VIEW_METHODS
+        return n.target in methods
     if n.op != "call_function":
         return False
     t = n.target
     if isinstance(t, OpOverload):
-        return bool(getattr(t, "is_view", False)) or t in _VIEW_ATEN
-    return t in _VIEW_FUNCTIONS
+        return overload(t)
+    return t in functions
+
+
+def _is_view_overload(op: OpOverload) -> bool:
+    return bool(getattr(op, "is_view", False)) or op in _VIEW_ATEN
+
+
+def is_view(n: fx.Node) -> bool:
+    """Whether ``n``'s result may be a view of its input (the one predicate: in-place writes
+    into a view are live, the schedule moves free views with their transfer)."""
+    return calls_one_of(n, _VIEW_METHODS, _VIEW_FUNCTIONS, _is_view_overload)
 
 
 def _write_is_live(n: fx.Node) -> bool:

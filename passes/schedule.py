@@ -74,7 +74,7 @@ from tspc.runtime.comm import (
 from tspc.runtime.compat import OpOverload
 from tspc.runtime.packing import pack
 
-from .graph_utils import is_view, mutated_args
+from .graph_utils import calls_one_of, is_view, mutated_args
 
 # Kinds whose waits feed compute (phase 1) and those whose results are only accumulated or
 # returned (phase 3).
@@ -137,14 +137,7 @@ _is_view = is_view
 
 
 def _is_pack(n: fx.Node) -> bool:
-    if n.op == "call_method":
-        return n.target in _PACK_METHODS
-    if n.op != "call_function":
-        return False
-    t = n.target
-    if isinstance(t, OpOverload):
-        return t in _PACK_ATEN
-    return t in _PACK_FUNCTIONS
+    return calls_one_of(n, _PACK_METHODS, _PACK_FUNCTIONS, _PACK_ATEN.__contains__)
 
 
 def is_view_or_pack(n: fx.Node) -> bool:

@@ -53,18 +53,45 @@ def _sizes_arg(node: fx.Node):
     return sizes, setter
 
 
+def _local_sizes(sizes: list, index: int, out: Sharded, out_shape) -> list | None:
+    """``sizes`` with entry ``index`` (the split dim's size) made the local length (None: the
+    sizes do not keep the split factor whole)."""
+    n = out_shape[out.dim]
+    return rewrite_sizes(sizes, index, n, out.local_size(n))
+
+
 def _set_local_sizes(node: fx.Node, out: Sharded, out_shape) -> bool:
     """Rewrite ``node``'s size argument for the local length of the split dim (False: the
     sizes do not keep the split factor whole)."""
     sizes, setter = _sizes_arg(node)
-    new = rewrite_sizes(sizes, out.dim, out_shape[out.dim], out.local_size(out_shape[out.dim]))
+    new = _local_sizes(sizes, out.dim, out, out_shape)
     if new is None:
         return False
     setter(new)
     return True
 
 
-def _view_like(p: SequencePropagator, node: fx.Node, sizes_rewrite: bool):
+def _set_local_view_sizes(node: fx.Node, out: Sharded, out_shape) -> bool:
+    """``_set_local_sizes`` for view and reshape, declined for sizes computed in the graph."""
+    sizes, _ = _sizes_arg(node)
+    return not any(isinstance(s, fx.Node) for s in sizes) and _set_local_sizes(node, out, out_shape)
+
+
+def _set_local_unflatten_sizes(node: fx.Node, out: Sharded, out_shape) -> bool:
+    """``_set_local_sizes`` for unflatten, whose sizes stand for dims dim.. of its output."""
+    dim = arg(node, 1, "dim") % len(shape(node.args[0]))
+    sizes = list(arg(node, 2, "sizes"))
+    if dim <= out.dim < dim + len(sizes):
+        new = _local_sizes(sizes, out.dim - dim, out, out_shape)
+        if new is None:
+            return False
+        set_arg(node, 2, "sizes", tuple(new))
+    return True
+
+
+def _view_like(p: SequencePropagator, node: fx.Node, set_local_sizes=None):
+    """A view of the tokens' layout (``map_view``); an op that spells out its output sizes has
+    them rewritten for the local length by ``set_local_sizes(node, out, out_shape)``."""
     x = node.args[0]
     sh = p.L(x)
     if not isinstance(sh, Sharded):
@@ -73,28 +100,24 @@ def _view_like(p: SequencePropagator, node: fx.Node, sizes_rewrite: bool):
     out = map_view(in_shape, out_shape, sh)
     if out is None:
         return False
-    if sizes_rewrite:
-        sizes, setter = _sizes_arg(node)
-        if any(isinstance(s, fx.Node) for s in sizes):
-            return False
-        if not _set_local_sizes(node, out, out_shape):
-            return False
+    if set_local_sizes is not None and not set_local_sizes(node, out, out_shape):
+        return False
     p.layout[node] = out
     return None
 
 
 def rule_view(p: SequencePropagator, node):
-    return _view_like(p, node, True)
+    return _view_like(p, node, _set_local_view_sizes)
 
 
 def rule_flatten(p: SequencePropagator, node):
-    return _view_like(p, node, False)
+    return _view_like(p, node)
 
 
 def rule_view_as(p: SequencePropagator, node):
     other = node.args[1]
     so = p.L(other)
-    res = _view_like(p, node, False)
+    res = _view_like(p, node)
     if res is False or so != p.layout.get(node):
         return False
     return None
@@ -119,25 +142,7 @@ def rule_view_as_real(p: SequencePropagator, node):
 
 
 def rule_unflatten(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    if not isinstance(sh, Sharded):
-        return False
-    out_shape = shape(node)
-    out = map_view(shape(x), out_shape, sh)
-    if out is None:
-        return False
-    dim = arg(node, 1, "dim") % len(shape(x))
-    sizes = list(arg(node, 2, "sizes"))
-    if dim <= out.dim < dim + len(sizes):
-        new = rewrite_sizes(
-            sizes, out.dim - dim, out_shape[out.dim], out.local_size(out_shape[out.dim])
-        )
-        if new is None:
-            return False
-        set_arg(node, 2, "sizes", tuple(new))
-    p.layout[node] = out
-    return None
+    return _view_like(p, node, _set_local_unflatten_sizes)
 
 
 def rule_expand(p: SequencePropagator, node):

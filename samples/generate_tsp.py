@@ -13,7 +13,6 @@ TSP keeps where they lie.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.cli import parser_with  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
 
 
@@ -112,14 +112,10 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
+    ap = parser_with(
+        __doc__.split("\n\n")[0], world_size=2, prompt=64, new=16, hidden=128, heads=8,
+        kv_heads=4, layers=2,
+    )  # fmt: skip
     args = vars(ap.parse_args())
     results = spawn(run_rank, args["world_size"], args)
     ok = True

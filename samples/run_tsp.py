@@ -10,7 +10,6 @@ schedule's prediction) and the largest difference from the reference.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -18,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.cli import parser_with  # noqa: E402
 from samples.reference_model import build_reference_model  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
 
@@ -58,15 +58,10 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--world-size", "-D", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=256)
+    p = parser_with(
+        __doc__, world_size=2, seq=64, batch=2, layers=2, hidden=128, heads=8, kv_heads=4,
+        intermediate=256,
+    )  # fmt: skip
     p.add_argument("--mask", choices=("causal", "explicit"), default="causal")
     p.add_argument("--inner", choices=("aot_eager", "inductor", "eager"), default="aot_eager")
     a = p.parse_args(argv)

@@ -10,7 +10,6 @@ full model, which is compared with the same training run in one process without 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from samples.cli import parser_with  # noqa: E402
 from samples.reference_model import build_reference_model  # noqa: E402
 from tspc.launch import spawn  # noqa: E402
 
@@ -69,13 +69,7 @@ def run_rank(rank: int, world: int, args: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--world-size", "-D", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
+    p = parser_with(__doc__, world_size=2, steps=5, seq=32, batch=2, layers=2, hidden=64)
     p.add_argument("--lr", type=float, default=1e-3)
     a = p.parse_args(argv)
     results = spawn(run_rank, a.world_size, vars(a), timeout=900)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +42,17 @@ def capture(model, *inputs, **kwargs):
     torch._dynamo.reset()
     torch.compile(model, backend=backend, fullgraph=True)(*inputs, **kwargs)
     return captured["gm"], captured["inputs"]
+
+
+def error_message(call: Callable[[], object], errors: Any = Exception) -> str:
+    """The text of the error of type ``errors`` (a class or a tuple) that ``call()`` raises, or
+    "no error". For spawned workers: they return plain data, so the test checks the message
+    (``pytest.raises`` cannot reach into them)."""
+    try:
+        call()
+    except errors as e:
+        return str(e)
+    return "no error"
 
 
 def count_collectives(gm: fx.GraphModule) -> Counter:

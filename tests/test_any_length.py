@@ -299,21 +299,15 @@ def mistral_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         torch._dynamo.reset()
         cfg = AutoConfig.for_model(
-            "mistral",
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            **case.get("config", {}),
+            "mistral", **{**HF_SMALL, "use_cache": True, **case.get("config", {})}
         )
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-        ids = torch.randint(0, 256, (2, case["seq"]), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(
+            0, cfg.vocab_size, (2, case["seq"]), generator=torch.Generator().manual_seed(1)
+        )
         opts = {"strict": case["strict"]}
         with torch.no_grad():
             expected = ref(ids)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from bench.baselines import build_tp, build_tp_sp, full_parameters, param_groups
 from samples.reference_model import build_reference_model
-from tests.helpers import D4_EXTENDED
+from tests.helpers import D4_EXTENDED, error_message
 from tspc.launch import spawn
 from tspc.tools.memory import MemoryTracker, breakdown, state_bytes
 
@@ -121,17 +121,13 @@ def _eager_rank(rank: int, world_size: int) -> dict:
             _train_step(model, model, ids, tgt, opt)
         out[f"{mode}_memory"] = breakdown(model, opt, tracker=mt)
 
-    try:  # uneven sequence shards must fail loudly, not compute garbage
-        build_tp_sp(build_reference_model(**cfg))(ids[:, : SEQ - 1])
-        out["uneven"] = "no error"
-    except ValueError as e:
-        out["uneven"] = str(e)
-    try:  # heads that do not split over the ranks (2 kv heads over 4 ranks)
-        cfg = _config(world_size, num_heads=4, num_kv_heads=world_size // 2)
-        build_tp(build_reference_model(**cfg))
-        out["bad_heads"] = "no error"
-    except ValueError as e:
-        out["bad_heads"] = str(e)
+    # uneven sequence shards must fail loudly, not compute garbage
+    out["uneven"] = error_message(
+        lambda: build_tp_sp(build_reference_model(**cfg))(ids[:, : SEQ - 1]), ValueError
+    )
+    # heads that do not split over the ranks (2 kv heads over 4 ranks)
+    cfg = _config(world_size, num_heads=4, num_kv_heads=world_size // 2)
+    out["bad_heads"] = error_message(lambda: build_tp(build_reference_model(**cfg)), ValueError)
     return out
 
 

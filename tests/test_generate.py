@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import D4_EXTENDED, HF_SMALL
+from tests.helpers import D4_EXTENDED, HF_SMALL, error_message
 from tspc.launch import spawn
 
 SMALL = {**HF_SMALL, "use_cache": True, "attn_implementation": "sdpa"}
@@ -134,11 +134,7 @@ def _cases(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         phi = _build("phi3")
         phi.forward = torch.compile(phi.forward, backend="tsp")
-        try:
-            _generate(phi)
-            res["phi3"] = "no error"
-        except tspc.GenerateUnsupportedError as e:
-            res["phi3"] = str(e)
+        res["phi3"] = error_message(lambda: _generate(phi), tspc.GenerateUnsupportedError)
     return res
 
 

@@ -15,7 +15,7 @@ from bench.memory import (
     run_table,
     schemes,
 )
-from samples.reference_model import build_reference_model
+from tspc.tools.measure import reference_model
 
 
 def _row(key: str, devices: int, peak_mb: float) -> Row:
@@ -43,10 +43,11 @@ def test_bound_and_baseline_checks():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_shard_size_counts_the_matched_weights(name):
     cfg = CONFIGS[name]
-    model = build_reference_model(**cfg.model_kwargs())
+    model = reference_model(cfg.model)
     matched = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_proj.weight"))
-    assert cfg.layer_params * cfg.layers == matched
-    assert cfg.seq % (2 * 4) == 0 and cfg.heads % 4 == 0 and cfg.kv_heads % 4 == 0
+    assert cfg.model.layer_params * cfg.model.layers == matched
+    assert cfg.shard_bytes(4) == matched / cfg.model.layers / 4 * 4  # D = 4, fp32
+    assert cfg.seq % (2 * 4) == 0 and cfg.model.heads % 4 == 0 and cfg.model.kv_heads % 4 == 0
 
 
 def test_every_scheme_at_every_d():
@@ -70,7 +71,9 @@ def test_quick_run_produces_every_row():
         assert r.parts["parameters"] > 0 and r.parts["activations"] > 0
     for d in (2, 4):
         tsp, sp, tp = table.row("tsp", d), table.row("sp", d), table.row("tp", d)
-        assert tsp.level == "tsp" and tsp.matched == 2 * cfg.layers  # attention + MLP per layer
+        assert (
+            tsp.level == "tsp" and tsp.matched == 2 * cfg.model.layers
+        )  # attention + MLP per layer
         assert sp.level == "sp"
         assert sp.parts["parameters"] == one.parts["parameters"]  # SP replicates the weights
         assert tp.parts["parameters"] < one.parts["parameters"]

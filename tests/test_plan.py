@@ -120,6 +120,16 @@ LLAMA_CONFIG_JSON = """{
   "tie_word_embeddings": true, "transformers_version": "5.24.0", "use_cache": true,
   "vocab_size": 5000
 }"""
+# The keys it was written from (the rest are transformers' defaults).
+LLAMA_SIZE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
 
 
 def _check_llama_shape(model: ModelShape) -> None:
@@ -141,15 +151,10 @@ def test_reads_a_llama_config_json(tmp_path) -> None:
 def test_reads_a_transformers_llama_config(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    transformers.LlamaConfig(
-        hidden_size=1024,
-        num_hidden_layers=6,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        intermediate_size=2816,
-        vocab_size=5000,
-        tie_word_embeddings=True,
-    ).to_json_file(str(path))
+    # the sizes of LLAMA_CONFIG_JSON; the installed transformers writes the rest
+    written = json.loads(LLAMA_CONFIG_JSON)
+    sizes = {k: written[k] for k in LLAMA_SIZE_KEYS}
+    transformers.LlamaConfig(**sizes).to_json_file(str(path))
     _check_llama_shape(ModelShape.from_hf_config(path))
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from samples.reference_model import build_reference_model
+from tests.helpers import error_message
 from tspc.launch import WorkerError, spawn
 
 # --------------------------------------------------------------------------- sequence length
@@ -107,11 +108,7 @@ def inputs_worker(rank: int, world: int) -> str:
     if rank == 1:
         ids = ids.clone()
         ids[0, 3] += 1
-    try:
-        compiled(ids)
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return str(e)
-    return "no error"
+    return error_message(lambda: compiled(ids))
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import adamw_side_by_side, grad_error
+from tests.helpers import adamw_side_by_side, error_message, grad_error
 from tspc.launch import spawn
 
 
@@ -119,11 +119,7 @@ def train_worker(rank: int, world: int, case: dict) -> dict:
         tuple(sd[k].shape) == tuple(v.shape) for k, v in ref.state_dict().items()
     )
     # --- the original module called eagerly: a clear error, not DTensor's
-    try:
-        model(ids)
-        res["eager_call"] = "ran"
-    except tspc.ReleasedParameterError as e:
-        res["eager_call"] = str(e)
+    res["eager_call"] = error_message(lambda: model(ids), tspc.ReleasedParameterError)
     return res
 
 

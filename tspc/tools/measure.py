@@ -57,7 +57,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,7 @@ __all__ = [
     "measure",
     "measure_rank",
     "ref_config_from_shape",
+    "reference_model",
 ]
 
 MODES = ("train", "forward")
@@ -335,6 +336,14 @@ def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
         tie_embeddings=shape.tied_embeddings,
         mask="causal",
     )
+
+
+def reference_model(shape: Any, layers: int | None = None, seed: int = 0) -> nn.Module:
+    """The reference model of a planner ``ModelShape``, with the deterministic random weights
+    of ``build_reference_model(seed)`` (the same on every rank)."""
+    from tspc.samples.reference_model import build_reference_model
+
+    return build_reference_model(seed, **asdict(ref_config_from_shape(shape, layers)))
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
