@@ -167,7 +167,7 @@ LEFT_OUT: dict[str, str] = {
 }
 
 
-def zoo_worker(rank: int, world: int, cases: list[tuple[str, str, int, bool]]) -> list[dict]:
+def zoo_worker(rank: int, world: int, cases: list[tuple[str, str, int, bool, int]]) -> list[dict]:
     import logging
     import warnings
 
@@ -182,15 +182,17 @@ def zoo_worker(rank: int, world: int, cases: list[tuple[str, str, int, bool]]) -
     return out
 
 
-def _zoo_case(case: tuple[str, str, int, bool]) -> dict:
+def _zoo_case(case: tuple[str, str, int, bool, int]) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tspc
     from tspc.runtime.counters import COUNTER
 
-    family, attn, seq, padded = case
+    family, attn, seq, padded, layers = case
     torch._dynamo.reset()
     cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0]})
+    if layers == 1 and not _layers_differ(cfg):
+        cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0], **ONE_LAYER})
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg).eval()
@@ -228,19 +230,38 @@ def _zoo_case(case: tuple[str, str, int, bool]) -> dict:
     return row
 
 
-def _full_cases(world: int) -> list[tuple[str, str, int, bool]]:
-    """Both runs of every family at this world size (module docstring)."""
+ONE_LAYER = {"num_hidden_layers": 1}
+
+
+def _layers_differ(cfg) -> bool:
+    """Whether the config gives its (two) layers different kinds: a per-layer list with
+    different entries (``layer_types``: sliding / full attention, ``no_rope_layers``, MoE or
+    dense MLP layers)."""
+    n = cfg.num_hidden_layers
+    return any(
+        isinstance(v, (list, tuple)) and len(v) == n and len({repr(x) for x in v}) > 1
+        for v in cfg.to_dict().values()
+    )
+
+
+def _full_cases(world: int, layers: int = 2) -> list[tuple[str, str, int, bool, int]]:
+    """Both runs of every family at this world size (module docstring); ``layers``: 1 runs
+    the families whose layers are all of one kind with a single layer."""
     first, second = ("sdpa", "eager") if world == 2 else ("eager", "sdpa")
-    return [c for f in FAMILIES for c in ((f, first, 17, True), (f, second, 16, False))]
+    return [
+        c for f in FAMILIES for c in ((f, first, 17, True, layers), (f, second, 16, False, layers))
+    ]
 
 
-def _sample_cases(world: int) -> list[tuple[str, str, int, bool]]:
+def _sample_cases(world: int) -> list[tuple[str, str, int, bool, int]]:
     """One run per family at this world size, alternating between the two runs of
     ``_full_cases`` so that both attention implementations, masks and internal padding meet
-    half the families each. The suite runs it at D = 2; the extended tier at D = 4."""
+    half the families each. The suite runs it at D = 2; the extended tier at D = 4. A family
+    whose layers are all of one kind runs one layer here (two layers of every family:
+    ``TSPC_ZOO=full``); one that mixes kinds keeps both."""
     out = []
     for i, family in enumerate(FAMILIES):
-        full = [c for c in _full_cases(world) if c[0] == family]
+        full = [c for c in _full_cases(world, layers=1) if c[0] == family]
         out.append(full[i % 2])
     return out
 
