@@ -46,12 +46,18 @@ def test_fx_graph_cache_serves_graphs_with_transfers(fake_group, tmp_path, monke
         compiled(ids).float().pow(2).mean().backward()
         aot = COMPILED[-1].aot
         code = aot.forward_inductor_code + aot.backward_inductor_code
-        overlapping = [
-            check_transfers_keep_overlap(gm, c)
-            for gm, c in zip(aot.forward_gms + aot.backward_gms, code, strict=True)
-        ]
-        runs.append({**_cache_counters(), "code": code, "overlapping": overlapping})
+        runs.append({**_cache_counters(), "code": code, "gms": aot.forward_gms + aot.backward_gms})
     cold, warm = runs
+    # The FileCheck's expectations come from the graph as Inductor's post-grad passes left it
+    # (they rewrite it in place): the cold compile's. A hit runs no pass, so the warm run's
+    # graphs are tspc's as scheduled, which Inductor's code need not follow op for op (its
+    # mm + add -> addmm pattern and tspc's split of it may move a GEMM into an earlier
+    # transfer's window); the warm code is checked like the cold.
+    for run in runs:
+        run["overlapping"] = [
+            check_transfers_keep_overlap(gm, c)
+            for gm, c in zip(cold["gms"], run["code"], strict=True)
+        ]
     assert cold["fx"] == {"fxgraph_cache_miss": 2}, cold["fx"]
     assert warm["fx"] == {"fxgraph_cache_hit": 2}, warm["fx"]
     # no AOTAutograd cache lookup (no autograd_cache_hit / miss / bypass counted)
