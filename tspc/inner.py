@@ -300,8 +300,10 @@ def compile_inner(
     # AOTAutograd's cache stays off, even where a user forces it (``force_autograd_cache``):
     # its key does not hold ``partition_fn`` (tspc's joint-graph passes and partitioner), and an
     # entry would hold Inductor's bare output without the wrappers ``make`` adds. Left alone it
-    # would not be looked up either: ``aot_module_simplified`` tries it only for a forward
-    # compiler that is a ``SerializableAOTDispatchCompiler``, which ours is not.
+    # would not be used either: ``aot_module_simplified`` looks it up only for a forward compiler
+    # that is a ``SerializableAOTDispatchCompiler``, which ours is not, and forced, its
+    # ``check_cacheable`` bypasses tspc's rewritten graph, whose nodes call plain functions
+    # (``runtime/packing.pack``, the ring's ``autograd.Function``), not only ops.
     with autograd_cache_off():
         return aot_module_simplified(
             gm,
