@@ -136,6 +136,14 @@ def partitioner_without_cse():
     return config.patch(cse=False)
 
 
+def autograd_cache_off():
+    """A context in which aot_autograd neither looks up nor stores AOTAutograd cache entries,
+    local or remote, even where ``force_autograd_cache`` is set (``functorch.config``)."""
+    from torch._functorch import config
+
+    return config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False)
+
+
 def current_dynamo_compile_id():
     """Dynamo's id of the frame compile in progress ("0/1": frame 0, its first recompile), or
     None outside one (``torch._guards.CompileContext``, private in 2.13): tspc's compile log

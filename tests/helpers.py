@@ -224,7 +224,13 @@ def check_transfers_keep_overlap(gm: fx.GraphModule, code: str) -> int:
     ring shift, the size, the group, the tag: ``..._start.default(<tensor>, 1, 1536, '0', 2,
     'layers.0.attn')``), the k-th of equal ones in the code being the k-th in the graph, and
     its wait by the buffer the start's result is bound to (``wait_tensor(<buffer>)``: a start
-    returns the buffer its transfer lands in, ``runtime/comm.py``)."""
+    returns the buffer its transfer lands in, ``runtime/comm.py``).
+
+    ``gm`` must be the graph as Inductor's post-grad passes left it (they rewrite it in place
+    during a compile, not on a hit in the FX graph cache): its ``mm + add -> addmm`` pattern
+    and tspc's split of it (``passes/aot_graphs.split_addmm_across_waits``) may move a GEMM
+    into an earlier transfer's window, and the code follows that graph, not tspc's schedule
+    before it."""
     import re
 
     from torch.testing import FileCheck

@@ -15,6 +15,12 @@
   those two reorderings, and with a GEMM that its ``mm + add -> addmm`` pattern moved past a
   wait put back before it (``passes/aot_graphs.split_addmm_across_waits``); within the compute between two
   collectives Inductor fuses freely.
+  Inductor's FX graph cache serves these graphs too: its key holds the scheduled graph, and
+  the choices handler and the post-grad pass each name tspc's sources in it (``tspc_source_hash``),
+  so a warm hit returns the code a cold compile of the same sources would generate.
+  AOTAutograd's cache is left off: ``aot_module_simplified`` looks it up only for a forward
+  compiler that is a ``SerializableAOTDispatchCompiler`` returning Inductor's bare output, and
+  its key does not hold tspc's partitioner and joint-graph passes (``compile_inner``).
 * ``eager`` — the rewritten graph as a Python function; autograd records it op by op (debugging;
   backward then keeps the broadcast weights alive).
 
@@ -32,13 +38,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.fx as fx
 
 from tspc.runtime import comm
 from tspc.runtime.comm import is_transfer
-from tspc.runtime.compat import partitioner_without_cse
+from tspc.runtime.compat import autograd_cache_off, partitioner_without_cse
 
 from .options import TSPOptions
 from .pipeline import (
@@ -101,10 +108,39 @@ class _Segments:
         return entry[1].get(node)
 
 
+@functools.cache
+def tspc_source_hash() -> bytes:
+    """A hash of every Python source of tspc, ``tspc.passes`` and ``tspc.runtime``: the part of
+    Inductor's FX graph cache key that stands for what tspc does to a graph Inductor compiles
+    (the fence choices handler, the post-grad pass, the lowering of tspc's collective starts,
+    their fake kernels). Hashing all of it, not a list of modules, keeps an entry from
+    outliving a change in some module that list would have missed; the price is a cold
+    compile after any edit to tspc."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    import tspc
+    import tspc.passes
+    import tspc.runtime
+
+    roots = [Path(p) for pkg in (tspc, tspc.passes, tspc.runtime) for p in pkg.__path__]
+    # ordered by the path inside each package, so that where tspc is installed does not matter
+    files = sorted(
+        (
+            (i, path.relative_to(root).as_posix(), str(path))
+            for i, root in enumerate(roots)
+            for path in root.rglob("*.py")
+        ),
+    )
+    return get_hash_for_files(tuple(f for _, _, f in files))
+
+
 def _fence_choices():
     """Inductor heuristics that never fuse kernels of different stretches of compute: a fused
     kernel runs where its last input is ready, so fusing across a collective would move compute
-    over a wait (or a start after compute it was meant to overlap)."""
+    over a wait (or a start after compute it was meant to overlap).
+
+    A factory (Inductor's ``inductor_choices_class`` config takes one): the config's entry in the
+    FX graph cache key is the handler's ``uuid()``."""
     from torch._inductor.choices import InductorChoices
 
     segments = _Segments()
@@ -127,21 +163,21 @@ def _fence_choices():
                 return False
             return InductorChoices.can_fuse(scheduler, node1, node2, shared_data_score)
 
+        def uuid(self) -> bytes:  # part of Inductor's FX graph cache key
+            return tspc_source_hash()
+
     return _FenceChoices()
 
 
 def _split_addmm_pass():
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    from tspc import pipeline
-    from tspc.passes import aot_graphs
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class _SplitAddmmAcrossWaits(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             run_passes(POST_GRAD_PIPELINE, GraphContext(graph), None, "Inductor post-grad graph")
 
-        def uuid(self):  # part of Inductor's FX graph cache key
-            return get_hash_for_files((__file__, aot_graphs.__file__, pipeline.__file__))
+        def uuid(self) -> bytes:  # part of Inductor's FX graph cache key
+            return tspc_source_hash()
 
     return _SplitAddmmAcrossWaits()
 
@@ -160,11 +196,9 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
             reorder_for_peak_memory=False,
             reorder_for_locality=False,
             post_grad_custom_post_pass=_split_addmm_pass(),
-            # A graph with transfers is compiled afresh: with a warm FX graph cache, the code
-            # of one of test_inner_inductor's D = 2 graphs failed the overlap FileCheck that
-            # the same graph's cold compile passes (not diagnosed; the choices handler above
-            # is not part of the cache key). Graphs without transfers (D = 1) use the cache.
-            fx_graph_cache=False,
+            # Only for the cache key: Inductor takes its handler from this config at its
+            # first use in a thread and keeps it, so the handler is also set below.
+            inductor_choices_class=_fence_choices,
         ),
         V.set_choices_handler(_fence_choices()),
     ):
@@ -263,12 +297,20 @@ def compile_inner(
     else:
         # aot_eager's min-cut should not try Inductor-specific fusion heuristics.
         partition = functools.partial(partition, compiler="aot_eager")
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=make("forward"),
-        bw_compiler=make("backward"),
-        partition_fn=partition,
-        decompositions=decomps,
-        keep_inference_input_mutations=True,
-    )
+    # AOTAutograd's cache stays off, even where a user forces it (``force_autograd_cache``):
+    # its key does not hold ``partition_fn`` (tspc's joint-graph passes and partitioner), and an
+    # entry would hold Inductor's bare output without the wrappers ``make`` adds. Left alone it
+    # would not be used either: ``aot_module_simplified`` looks it up only for a forward compiler
+    # that is a ``SerializableAOTDispatchCompiler``, which ours is not, and forced, its
+    # ``check_cacheable`` bypasses tspc's rewritten graph, whose nodes call plain functions
+    # (``runtime/packing.pack``, the ring's ``autograd.Function``), not only ops.
+    with autograd_cache_off():
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=make("forward"),
+            bw_compiler=make("backward"),
+            partition_fn=partition,
+            decompositions=decomps,
+            keep_inference_input_mutations=True,
+        )
