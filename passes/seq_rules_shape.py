@@ -184,13 +184,17 @@ def rule_t(p: SequencePropagator, node):
     return None
 
 
+def _ints_after_tensor(node: fx.Node) -> list:
+    """The ints after the tensor (permute's dims, repeat's counts) in either spelling: one
+    sequence, ``x.permute((0, 2, 1))``, or one argument each, ``x.permute(0, 2, 1)``."""
+    if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
+        return list(node.args[1])
+    return list(node.args[1:])
+
+
 def rule_permute(p: SequencePropagator, node):
     x = node.args[0]
-    dims = (
-        node.args[1]
-        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
-        else node.args[1:]
-    )
+    dims = _ints_after_tensor(node)
     if not dims:
         dims = node.kwargs.get("dims")
     p.layout[node] = map_permute(list(dims), p.L(x))
@@ -372,12 +376,7 @@ def rule_pad(p: SequencePropagator, node):
 def rule_repeat(p: SequencePropagator, node):
     x = node.args[0]
     sh = p.L(x)
-    reps = (
-        node.args[1]
-        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
-        else node.args[1:]
-    )
-    reps = list(reps)
+    reps = _ints_after_tensor(node)
     n = len(shape(x))
     if reps[sh.dim + len(reps) - n] != 1:
         return False
