@@ -5,6 +5,7 @@ have the inputs gathered."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -246,19 +247,25 @@ def tokens_kept(p: SequencePropagator, node: fx.Node, dims) -> Sharded | None:
     return sh
 
 
-def acts_along(index: int, name: str):
-    """The rule of an op that keeps its input's shape and acts along the dims given by argument
-    ``index`` / ``name`` (narrow, flip, roll, softmax, cumsum): the tokens stay split unless
-    the op acts along them."""
+def acting_along(dims_of: Callable[[fx.Node], object]):
+    """The rule of an op that keeps its input's shape and acts only along the dims
+    ``dims_of(node)`` names (as ``tokens_kept`` takes them): the tokens stay split unless the op
+    acts along them."""
 
     def rule(p: SequencePropagator, node: fx.Node):
-        sh = tokens_kept(p, node, arg(node, index, name))
+        sh = tokens_kept(p, node, dims_of(node))
         if sh is None:
             return False
         p.layout[node] = sh
         return None
 
     return rule
+
+
+def acts_along(index: int, name: str):
+    """``acting_along`` the dims given by argument ``index`` / ``name`` (narrow, flip, roll,
+    softmax, cumsum)."""
+    return acting_along(lambda node: arg(node, index, name))
 
 
 rule_narrow = acts_along(1, "dim")
@@ -361,16 +368,13 @@ def rule_stack(p: SequencePropagator, node):
     return None
 
 
-def rule_pad(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    pad = list(arg(node, 1, "pad"))
-    n = len(shape(x))
-    touched = {n - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
-    if sh.dim in touched:
-        return False
-    p.layout[node] = sh
-    return None
+def _padded_dims(node: fx.Node) -> list[int]:
+    """The dims ``pad`` pads: its amounts come in (before, after) pairs from the last dim on."""
+    n = len(shape(node.args[0]))
+    return [n - 1 - i // 2 for i, amount in enumerate(arg(node, 1, "pad")) if amount != 0]
+
+
+rule_pad = acting_along(_padded_dims)
 
 
 def rule_repeat(p: SequencePropagator, node):
@@ -392,13 +396,7 @@ def rule_repeat_interleave(p: SequencePropagator, node):
     return None
 
 
-def rule_tril(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    if sh.dim >= len(shape(x)) - 2:
-        return False
-    p.layout[node] = sh
-    return None
+rule_tril = acting_along(lambda node: (-2, -1))  # a triangle of the last two dims
 
 
 def rule_index_select(p: SequencePropagator, node):
