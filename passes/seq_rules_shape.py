@@ -5,6 +5,7 @@ have the inputs gathered."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -184,13 +185,17 @@ def rule_t(p: SequencePropagator, node):
     return None
 
 
+def _ints_after_tensor(node: fx.Node) -> list:
+    """The ints after the tensor (permute's dims, repeat's counts) in either spelling: one
+    sequence, ``x.permute((0, 2, 1))``, or one argument each, ``x.permute(0, 2, 1)``."""
+    if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
+        return list(node.args[1])
+    return list(node.args[1:])
+
+
 def rule_permute(p: SequencePropagator, node):
     x = node.args[0]
-    dims = (
-        node.args[1]
-        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
-        else node.args[1:]
-    )
+    dims = _ints_after_tensor(node)
     if not dims:
         dims = node.kwargs.get("dims")
     p.layout[node] = map_permute(list(dims), p.L(x))
@@ -242,19 +247,25 @@ def tokens_kept(p: SequencePropagator, node: fx.Node, dims) -> Sharded | None:
     return sh
 
 
-def acts_along(index: int, name: str):
-    """The rule of an op that keeps its input's shape and acts along the dims given by argument
-    ``index`` / ``name`` (narrow, flip, roll, softmax, cumsum): the tokens stay split unless
-    the op acts along them."""
+def acting_along(dims_of: Callable[[fx.Node], object]):
+    """The rule of an op that keeps its input's shape and acts only along the dims
+    ``dims_of(node)`` names (as ``tokens_kept`` takes them): the tokens stay split unless the op
+    acts along them."""
 
     def rule(p: SequencePropagator, node: fx.Node):
-        sh = tokens_kept(p, node, arg(node, index, name))
+        sh = tokens_kept(p, node, dims_of(node))
         if sh is None:
             return False
         p.layout[node] = sh
         return None
 
     return rule
+
+
+def acts_along(index: int, name: str):
+    """``acting_along`` the dims given by argument ``index`` / ``name`` (narrow, flip, roll,
+    softmax, cumsum)."""
+    return acting_along(lambda node: arg(node, index, name))
 
 
 rule_narrow = acts_along(1, "dim")
@@ -357,27 +368,19 @@ def rule_stack(p: SequencePropagator, node):
     return None
 
 
-def rule_pad(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    pad = list(arg(node, 1, "pad"))
-    n = len(shape(x))
-    touched = {n - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
-    if sh.dim in touched:
-        return False
-    p.layout[node] = sh
-    return None
+def _padded_dims(node: fx.Node) -> list[int]:
+    """The dims ``pad`` pads: its amounts come in (before, after) pairs from the last dim on."""
+    n = len(shape(node.args[0]))
+    return [n - 1 - i // 2 for i, amount in enumerate(arg(node, 1, "pad")) if amount != 0]
+
+
+rule_pad = acting_along(_padded_dims)
 
 
 def rule_repeat(p: SequencePropagator, node):
     x = node.args[0]
     sh = p.L(x)
-    reps = (
-        node.args[1]
-        if len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
-        else node.args[1:]
-    )
-    reps = list(reps)
+    reps = _ints_after_tensor(node)
     n = len(shape(x))
     if reps[sh.dim + len(reps) - n] != 1:
         return False
@@ -393,13 +396,7 @@ def rule_repeat_interleave(p: SequencePropagator, node):
     return None
 
 
-def rule_tril(p: SequencePropagator, node):
-    x = node.args[0]
-    sh = p.L(x)
-    if sh.dim >= len(shape(x)) - 2:
-        return False
-    p.layout[node] = sh
-    return None
+rule_tril = acting_along(lambda node: (-2, -1))  # a triangle of the last two dims
 
 
 def rule_index_select(p: SequencePropagator, node):

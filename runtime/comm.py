@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import lower_as_inductor_collective, register_work, wait_tensor_op
-from .counters import COUNTER, received_and_sent
+from .counters import count_collective
 from .group import process_group
 from .zigzag import zigzag_stack_parts, zigzag_unshard
 
@@ -140,14 +140,6 @@ def _wait(pending: torch.Tensor) -> torch.Tensor:
     return _WAIT_TENSOR(pending)
 
 
-def _count(kind: str, tag: str, sent_buffer: torch.Tensor, world: int, is_root: bool = False):
-    """Count the collective by the buffer that really travels (its dtype is the wire's: an
-    fp32 accumulation copy for 16-bit sums), with the one table of ``counters.py``."""
-    message = sent_buffer.numel() * sent_buffer.element_size()
-    recv, sent = received_and_sent(kind, message, world, is_root)
-    COUNTER.record(kind, tag, recv=recv, sent=sent)
-
-
 def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy to reduce into: fp32 for 16-bit floats, whose sums over ranks would
     otherwise round at every step (gradients of bf16 training)."""
@@ -184,7 +176,7 @@ def broadcast_start(
     if is_src:
         buf.copy_(x.reshape(-1))
     work = dist.broadcast(buf, group_src=src, group=pg, async_op=True)
-    _count("broadcast", tag, buf, world, is_src)
+    count_collective("broadcast", tag, buf, world, is_src)
     return _pending(buf, [work], "broadcast", tag, ())  # x was copied into buf
 
 
@@ -229,7 +221,7 @@ def reduce_start(x: torch.Tensor, dst: int, group: str, world: int, tag: str) ->
     buf = _accumulation_copy(x)
     is_dst = dist.get_rank(pg) == dst
     work = dist.reduce(buf, group_dst=dst, group=pg, async_op=True)
-    _count("reduce", tag, buf, world, is_dst)
+    count_collective("reduce", tag, buf, world, is_dst)
     out = buf if is_dst else torch.zeros_like(buf)
     # x is not kept: what travels is its copy, so x may die once the start has made it
     return _pending(out, [work], "reduce", tag, (buf,))
@@ -264,7 +256,7 @@ def all_gather_start(
     xc = x.contiguous().reshape(1, *x.shape)  # gather along a new leading rank dimension
     out = xc.new_empty((world, *x.shape))
     work = dist.all_gather_single(out, xc, group=pg, async_op=True)
-    _count("all_gather", tag, xc, world)
+    count_collective("all_gather", tag, xc, world)
     return _pending(out, [work], "all_gather", tag, (xc,))  # what is sent, not x
 
 
@@ -315,7 +307,7 @@ def reduce_scatter_start(x: torch.Tensor, group: str, world: int, tag: str) -> t
     parts = _accumulation_copy(x)
     out = parts.new_empty((1, *parts.shape[1:]))
     work = dist.reduce_scatter_single(out, parts, group=pg, async_op=True)
-    _count("reduce_scatter", tag, out, world)
+    count_collective("reduce_scatter", tag, out, world)
     return _pending(out, [work], "reduce_scatter", tag, (parts,))
 
 
@@ -349,7 +341,7 @@ def _ring_hop_start(x: torch.Tensor, shift: int, group: str, world: int, tag: st
         dist.P2POp(dist.irecv, buf, group=pg, group_peer=(rank - shift) % world),
     ]
     works = dist.batch_isend_irecv(ops)
-    _count("ring", tag, xc, world)
+    count_collective("ring", tag, xc, world)
     return _pending(buf, works, "ring", tag, (xc,))
 
 
@@ -394,7 +386,7 @@ def all_reduce_start(x: torch.Tensor, op: str, group: str, world: int, tag: str)
     pg = process_group(group)
     buf = _accumulation_copy(x) if op == "sum" else x.contiguous().clone()
     work = dist.all_reduce(buf, op=_REDUCE_OPS[op], group=pg, async_op=True)
-    _count("all_reduce", tag, buf, world)
+    count_collective("all_reduce", tag, buf, world)
     # x is not kept: what travels is its copy (the graph keeps x as long as it needs it)
     return _pending(buf, [work], "all_reduce", tag, ())
 

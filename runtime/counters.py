@@ -12,6 +12,8 @@ backend implements a collective:
 * reduce — the destination receives D-1 contributions; the others receive nothing.
 * ring (point-to-point hop) — the receiver receives the buffer once.
 * all_reduce — 2(D-1)/D of the buffer (a bandwidth-optimal reduce-scatter + all-gather).
+* all_to_all (decoding's eager merge, ``runtime/decode.py``; no graph has one) — every rank
+  receives the D-1 parts the others send it.
 
 ``sent`` mirrors ``recv`` from the sender's side. Sums (reduce, reduce_scatter, all_reduce
 with op "sum") of fp16/bf16 values move fp32: the runtime reduces 16-bit gradients in fp32
@@ -56,7 +58,7 @@ def received_and_sent(kind: str, message: int, world: int, is_root: bool = False
         return (0, message) if is_root else (message, 0)
     if kind == "reduce":
         return ((world - 1) * message, 0) if is_root else (0, message)
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (world - 1) * message, (world - 1) * message
     if kind == "ring":
         return message, message
@@ -116,3 +118,14 @@ class CommCounter:
 
 COUNTER = CommCounter()
 """The process-wide counter that every runtime collective records into."""
+
+
+def count_collective(
+    kind: str, tag: str, sent_buffer: torch.Tensor, world: int, is_root: bool = False
+) -> None:
+    """Count the collective in ``COUNTER`` by the buffer that really travels (one rank's message:
+    its dtype is the wire's, an fp32 accumulation copy for 16-bit sums), with this module's one
+    table of the rules."""
+    message = sent_buffer.numel() * sent_buffer.element_size()
+    recv, sent = received_and_sent(kind, message, world, is_root)
+    COUNTER.record(kind, tag, recv=recv, sent=sent)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .counters import COUNTER
+from .counters import count_collective
 from .group import process_group
 
 
@@ -90,8 +90,7 @@ class DecodeComm:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.pg)
-        nbytes = x.numel() * x.element_size()
-        COUNTER.record("all_gather", tag, (self.world - 1) * nbytes, (self.world - 1) * nbytes)
+        count_collective("all_gather", tag, x, self.world)
         return parts
 
     def all_to_all(self, x: torch.Tensor, tag: str) -> torch.Tensor:
@@ -101,8 +100,7 @@ class DecodeComm:
         x = x.contiguous()
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=self.pg)
-        nbytes = x[0].numel() * x.element_size()
-        COUNTER.record("all_to_all", tag, (self.world - 1) * nbytes, (self.world - 1) * nbytes)
+        count_collective("all_to_all", tag, x[0], self.world)  # one rank's part
         return out
 
     def all_reduce(self, x: torch.Tensor, tag: str) -> torch.Tensor:
@@ -110,8 +108,7 @@ class DecodeComm:
             return x
         x = x.contiguous()
         dist.all_reduce(x, group=self.pg)
-        nbytes = 2 * (self.world - 1) * x.numel() * x.element_size() // self.world
-        COUNTER.record("all_reduce", tag, nbytes, nbytes)
+        count_collective("all_reduce", tag, x, self.world)
         return x
 
 

@@ -292,19 +292,24 @@ def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dens
     return torch.cat(out_groups, dim=0), torch.cat(lse_groups, dim=0)
 
 
-@torch.library.custom_op("tspc::zigzag_causal_attention", mutates_args=())
+# What both ops take after their tensors (the forward's q, k, v; the backward's grad_out, q, k,
+# v, out, lse): which chunks this rank holds, the softmax scale and the optional masks. One text
+# for both, as the backward is handed exactly the forward's arguments (``_backward``); the types
+# are those custom_op infers from annotations (an int is a SymInt: it may be symbolic).
+_ATTENTION_ARGS = (
+    "SymInt rank, SymInt world, float scale, Tensor? key_valid=None, SymInt? window=None, "
+    "Tensor? doc_ids=None, Tensor? dense_mask=None"
+)
+
+
+@torch.library.custom_op(
+    "tspc::zigzag_causal_attention",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
+)
 def zigzag_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rank: int,
-    world: int,
-    scale: float,
-    key_valid: torch.Tensor | None = None,
-    window: int | None = None,
-    doc_ids: torch.Tensor | None = None,
-    dense_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None
+):
     """Returns (output [B, Hq, S/D, d], log-sum-exp [B, Hq, S/D] in fp32)."""
     out, lse = _forward(q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask)
     return out.contiguous(), lse.contiguous()
@@ -367,22 +372,27 @@ def _attention_backward(
 # The backward is an op of its own, so aot_autograd records it as one node instead of tracing
 # its block kernels, slices and accumulations into the joint graph: per layer and head group
 # that was most of the nodes the partitioner and the schedule had to process (compile time).
-@torch.library.custom_op("tspc::zigzag_causal_attention_backward", mutates_args=())
+@torch.library.custom_op(
+    "tspc::zigzag_causal_attention_backward",
+    mutates_args=(),
+    schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    f"{_ATTENTION_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
 def zigzag_causal_attention_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    rank: int,
-    world: int,
-    scale: float,
-    key_valid: torch.Tensor | None = None,
-    window: int | None = None,
-    doc_ids: torch.Tensor | None = None,
-    dense_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    rank,
+    world,
+    scale,
+    key_valid=None,
+    window=None,
+    doc_ids=None,
+    dense_mask=None,
+):
     """Returns (dq, dk, dv) of ``zigzag_causal_attention`` given its output and lse."""
     dq, dk, dv = _attention_backward(
         grad_out, q, k, v, out, lse, rank, world, scale, key_valid, window, doc_ids, dense_mask
