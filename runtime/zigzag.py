@@ -105,33 +105,9 @@ def zigzag_unshard(
 
     ``gathered`` has a leading rank dimension of size D followed by each rank's local tensor;
     the result has ``dim`` (of the local tensor) D times larger, in true token order.
-
-    Its gradient is stated, not derived: every rank's part of the gradient, cut as
-    ``zigzag_slice`` cuts (``zigzag_stack_parts``). Autograd's own derivative of the 2D cuts and
-    the concatenation is a zero-filled buffer of the whole gathered size per chunk, summed one
-    by one (in a K/V gather's backward, 2D such buffers, and about 6D more nodes for
-    aot_autograd to trace and partition per gather).
     """
     if world == 1:
         return gathered[0]
-    return _Unshard.apply(gathered, dim, world, outer, inner)
-
-
-class _Unshard(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gathered, dim, world, outer, inner):
-        ctx.layout = (dim, world, outer, inner)
-        return _unshard(gathered, dim, world, outer, inner)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return zigzag_stack_parts(grad, *ctx.layout), None, None, None, None
-
-
-def _unshard(
-    gathered: torch.Tensor, dim: int, world: int, outer: int = 1, inner: int = 1
-) -> torch.Tensor:
-    """``zigzag_unshard``'s forward: each of the 2D chunks cut out and put in order."""
     parts, ldim = _split3(gathered, dim + 1 if dim >= 0 else dim, outer, inner)
     # parts: [D, ..., outer, 2c, inner, ...] with the chunk pair at ldim + 1
     two_c = parts.shape[ldim + 1]
