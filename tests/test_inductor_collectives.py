@@ -1,8 +1,8 @@
 """Inductor's own scheduler sees every tspc transfer as one of its collectives.
 
 tspc issues its transfers from its own start ops (``runtime/comm.py``: a per-graph timeout,
-the layer named in a failure, fp32 on the wire for 16-bit sums, a broadcast into a buffer of
-the source's size without a copy of its own) and completes them with torch's
+the layer named in a failure, fp32 on the wire for 16-bit sums, one buffer of the source's
+size on a rank that receives a broadcast) and completes them with torch's
 ``_c10d_functional.wait_tensor``. What matters to Inductor is what its IR makes of them: each
 start must be a ``_CollectiveKernel`` (``torch._inductor.utils.is_collective``) and each wait a
 ``_WaitKernel`` (``is_wait``), the classes its scheduling, memory planning and comm-overlap
