@@ -15,12 +15,9 @@ a multiple of 2D is compiled once for every length of that kind instead
 
 from __future__ import annotations
 
-import functools
-import gc
 import itertools
 import logging
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +30,7 @@ from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
-from tspc.runtime.errors import TSPConfigError, describe_error
+from tspc.runtime.errors import TSPConfigError
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
 from tspc.runtime.release import tspc_internal
@@ -49,13 +46,8 @@ from tspc.runtime.tsp_params import (
 
 from . import compiles
 from .dump import write_dump
-from .errors import (
-    REPORT_HINT,
-    FallbackWarning,
-    ReleasedWeightsNeededError,
-    TSPCompileError,
-)
-from .fallback import fall_back, released_inputs
+from .errors import ReleasedWeightsNeededError, TSPCompileError  # noqa: F401 - re-exported
+from .fallback import check_released_inputs, fall_back, warn_level_failed
 from .inner import AotGraphs, compile_inner
 from .length_family import (
     LengthFamily,
@@ -89,56 +81,7 @@ recompiles does not keep every graph it ever made."""
 KEEP_COMPILED = 16
 
 
-def _check_released_inputs(
-    gm: fx.GraphModule,
-    result: PipelineResult,
-    example_inputs: list[Any],
-    errors: list[str],
-    graph_id: int,
-) -> None:
-    """Raise before compiling a graph that reads a released full weight: running it would read
-    freed storage (``setStorage ... out of bounds for storage of size 0``)."""
-    needed = released_inputs(result.gm, example_inputs)
-    if not needed:
-        return
-    placeholders = [n for n in result.gm.graph.nodes if n.op == "placeholder"]
-    info = analyse(gm, example_inputs)  # Dynamo's graph: its placeholders are the inputs
-    needed = [info.inputs[i].fqn or placeholders[i].name for i in needed]
-    # a module left out because its rewrite raised reads its weights whole: say so
-    failed = [f"{e.module}: {e.reason}" for e in result.report.skipped if "failed: " in e.reason]
-    why = "; ".join(errors + failed) if errors or failed else "the graph reads them whole"
-    raise ReleasedWeightsNeededError(
-        f"tspc: graph {graph_id} ran the '{result.report.level}' pipeline ({why}), which needs "
-        f"the whole weights {', '.join(needed)}; an earlier graph sharded them and released the "
-        "full tensors, so this graph cannot run. Compile with options={'schedules': 'sp'} (no "
-        "weight sharding) for inputs like these, or report the failure above."
-    )
-
-
-def _gc_paused(fn: Callable) -> Callable:
-    """Run ``fn`` with Python's cyclic garbage collector paused.
-
-    Compiling builds hundreds of thousands of short-lived objects (FX nodes, fake tensors,
-    the min-cut partitioner's networkx graph), and each automatic collection also walks the
-    large heap that Dynamo and aot_autograd hold at that moment: for a 32-layer model about a
-    third of the passes' time and half of the partitioner's went to the collector. The cycles
-    made while paused are freed by the next collection after it (torch's distributed
-    checkpointing pauses the collector around its state-dict walk for the same reason)."""
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    return paused
-
-
-@_gc_paused
+@compiles.gc_paused
 def _compile_static(
     gm: fx.GraphModule,
     example_inputs: list[Any],
@@ -171,18 +114,7 @@ def _compile_static(
                 ) from e
             log.warning("tspc: the '%s' pipeline failed (%s); falling back", level, e)
             errors.append(f"'{level}' failed: {type(e).__name__}: {e}")
-            later = LEVELS[LEVELS.index(level) + 1 :]
-            warnings.warn(
-                f"tspc: graph {graph_id}: the '{level}' passes failed ({describe_error(e)}); "
-                + (
-                    f"level '{later[0]}' runs the graph instead (it shards less memory)"
-                    if later
-                    else "a plain compile runs the graph instead"
-                )
-                + f". The numbers are unchanged. This is a tspc bug: {REPORT_HINT}.",
-                FallbackWarning,
-                stacklevel=2,
-            )
+            warn_level_failed(graph_id, level, LEVELS[LEVELS.index(level) + 1 :], e)
     if result is None:  # even the replicated level failed: nothing tspc could run
         raise TSPCompileError(
             f"tspc: every pipeline level failed on graph {graph_id}, so it cannot run this "
@@ -192,7 +124,7 @@ def _compile_static(
         )
     report = result.report
     report.fallbacks = errors
-    _check_released_inputs(gm, result, example_inputs, errors, graph_id)
+    check_released_inputs(gm, result, example_inputs, errors, graph_id)
     if opts.strict:
         skipped = report.skipped
         if skipped:

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from tspc.passes.analyse import analyse
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError, describe_error
 from tspc.runtime.group import TSPGroup
@@ -42,6 +43,7 @@ from . import compiles
 from .errors import REPORT_HINT, FallbackWarning, ReleasedWeightsNeededError, TSPCompileError
 from .inner import compile_plain
 from .options import TSPOptions
+from .pipeline import PipelineResult
 from .report import CompileReport, forget_report, remember
 
 log = logging.getLogger("tspc")
@@ -56,6 +58,48 @@ def released_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> list[int]:
         if entry is not None and entry.released and node.users:
             out.append(i)
     return out
+
+
+def check_released_inputs(
+    gm: fx.GraphModule,
+    result: PipelineResult,
+    example_inputs: list[Any],
+    errors: list[str],
+    graph_id: int,
+) -> None:
+    """Raise before compiling a graph that reads a released full weight: running it would read
+    freed storage (``setStorage ... out of bounds for storage of size 0``)."""
+    needed = released_inputs(result.gm, example_inputs)
+    if not needed:
+        return
+    placeholders = [n for n in result.gm.graph.nodes if n.op == "placeholder"]
+    info = analyse(gm, example_inputs)  # Dynamo's graph: its placeholders are the inputs
+    needed = [info.inputs[i].fqn or placeholders[i].name for i in needed]
+    # a module left out because its rewrite raised reads its weights whole: say so
+    failed = [f"{e.module}: {e.reason}" for e in result.report.skipped if "failed: " in e.reason]
+    why = "; ".join(errors + failed) if errors or failed else "the graph reads them whole"
+    raise ReleasedWeightsNeededError(
+        f"tspc: graph {graph_id} ran the '{result.report.level}' pipeline ({why}), which needs "
+        f"the whole weights {', '.join(needed)}; an earlier graph sharded them and released the "
+        "full tensors, so this graph cannot run. Compile with options={'schedules': 'sp'} (no "
+        "weight sharding) for inputs like these, or report the failure above."
+    )
+
+
+def warn_level_failed(graph_id: int, level: str, later: tuple[str, ...], error: Exception) -> None:
+    """The warning of a pass level that raised (the backend then runs the next, or falls back
+    to a plain compile after the last)."""
+    warnings.warn(
+        f"tspc: graph {graph_id}: the '{level}' passes failed ({describe_error(error)}); "
+        + (
+            f"level '{later[0]}' runs the graph instead (it shards less memory)"
+            if later
+            else "a plain compile runs the graph instead"
+        )
+        + f". The numbers are unchanged. This is a tspc bug: {REPORT_HINT}.",
+        FallbackWarning,
+        stacklevel=3,
+    )
 
 
 class _PlainGraph:
