@@ -11,6 +11,8 @@ them through the phases of ``tspc/pipeline.py``).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -33,9 +35,34 @@ def _is_recomputed_wait(n: fx.Node) -> bool:
     return is_transfer_wait(n) and n.args[0].target in _RECOMPUTE_STARTS
 
 
+TAGGED_BY = "tspc_tagged_by"
+"""The meta key naming the tspc pass that tagged a joint-graph node for the partitioner (read
+by ``passes/tag_origin.py`` when the partitioner cannot honour a tag)."""
+
+
 def _mark(n: fx.Node) -> None:
     n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     n.meta.setdefault("ac_graph_id", 0)
+    n.meta[TAGGED_BY] = "mark_transfers_for_recompute"
+
+
+def _free_to_recompute(n: fx.Node) -> bool:
+    """A view or pack the backward can rebuild from a tensor the partitioner may save.
+
+    ``getitem`` counts as a view, but of a multi-output op's result it reads a tuple, which the
+    partitioner cannot save: marking it MUST_RECOMPUTE forces the op itself to be recomputed,
+    which the partitioner refuses for ops outside its recompute allowlist ("getitem_30: must
+    recompute: marked by checkpoint policy" on ``native_layer_norm``'s output, when BART's
+    encoder output feeds the output gather). Such a getitem is free only when its producer
+    is itself recomputed (the split of a received weight pack)."""
+    if not is_view_or_pack(n):
+        return False
+    if n.target is operator.getitem:
+        src = n.args[0]
+        return isinstance(src, fx.Node) and src.meta.get("recompute") == (
+            CheckpointPolicy.MUST_RECOMPUTE
+        )
+    return True
 
 
 def mark_transfers_for_recompute(graph: fx.Graph) -> int:
@@ -55,17 +82,17 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
             marked += 1
             # the packed weights the broadcast sends: a cheap cat of local shards
             src = n.args[0]
-            if isinstance(src, fx.Node) and is_view_or_pack(src):
-                _mark(src)
-                for i in src.all_input_nodes:
-                    if is_view_or_pack(i):
+            if isinstance(src, fx.Node) and _free_to_recompute(src):
+                for i in src.all_input_nodes:  # inputs first: a getitem's producer decides it
+                    if _free_to_recompute(i):
                         _mark(i)
+                _mark(src)
         elif _is_recomputed_wait(n):
             _mark(n)
             stack = list(n.users)
             while stack:
                 u = stack.pop()
-                if is_view_or_pack(u) and "recompute" not in u.meta:
+                if "recompute" not in u.meta and _free_to_recompute(u):
                     _mark(u)
                     stack.extend(u.users)
     return marked
@@ -86,6 +113,7 @@ def keep_backward_transfers_in_backward(graph: fx.Graph) -> int:
             and n.meta.get("partitioner_tag") == "is_backward"
         ):
             n.meta["partitioner_tag"] = "must_be_in_backward"
+            n.meta[TAGGED_BY] = "keep_backward_transfers_in_backward"
             pinned += 1
     return pinned
 
@@ -155,6 +183,7 @@ def split_recomputed_transfers(graph: fx.Graph) -> int:
                 env[c] = graph.node_copy(c, lambda a, env=env: env.get(a, a))
                 # a backward node: the forward graph must not run it (its users are backward)
                 env[c].meta["partitioner_tag"] = "must_be_in_backward"
+                env[c].meta[TAGGED_BY] = "split_recomputed_transfers"
         for u in dict.fromkeys(backward):
             u.args = fx.node.map_arg(u.args, lambda a, env=env: env.get(a, a))
             u.kwargs = fx.node.map_arg(u.kwargs, lambda a, env=env: env.get(a, a))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 from collections.abc import Callable, Collection
@@ -11,7 +12,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from tspc.runtime.compat import OpOverload, OpOverloadPacket
+from tspc.runtime.compat import OpOverload, OpOverloadPacket, interpreter_state_functions
 from tspc.runtime.packing import unpack
 
 # Spellings Dynamo uses for the same operation, mapped to one canonical name.
@@ -232,11 +233,19 @@ def _write_is_live(n: fx.Node) -> bool:
     return False
 
 
+@functools.cache
+def _interpreter_state_functions() -> frozenset:
+    return interpreter_state_functions()
+
+
 def has_side_effects(n: fx.Node) -> bool:
     """fx's notion of impure, plus live in-place writes: fx counts ``x.add_(y)`` (a method
     call) as pure, so its dead-code elimination drops an in-place accumulation whose result is
     not used — transformers' MoE blocks add the routed experts into the shared expert's output
-    that way."""
+    that way. Also functorch's level changes (vmap nesting: ``interpreter_state_functions``),
+    which fx does not count as impure."""
+    if n.op == "call_function" and n.target in _interpreter_state_functions():
+        return True
     try:
         if n.is_impure():
             return True

@@ -20,11 +20,19 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from tspc.runtime.errors import TSPConfigError
+from tspc.runtime.errors import TSPConfigError, describe_error
 
 from .analyse import GraphInfo
 from .elementwise import is_reshape
-from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs
+from .graph_utils import (
+    arg,
+    is_getitem,
+    module_fqn_of_param,
+    node_module_fqn,
+    op_name,
+    shape,
+    tensor_inputs,
+)
 from .projection import Linear, as_linear
 
 
@@ -33,6 +41,15 @@ class Skip:
     kind: str  # "attention" | "mlp"
     module: str
     reason: str
+    # the exception, when matching or rewriting the module raised (a tspc bug, warned about),
+    # rather than a reason the module's form gives
+    error: BaseException | None = None
+
+
+def failed(kind: str, module: str, stage: str, error: BaseException) -> Skip:
+    """The skip of a module whose ``stage`` ("match") raised ``error``: that module alone is
+    left as it was (matching changes nothing in the graph)."""
+    return Skip(kind, module, f"{stage} failed: {describe_error(error)}", error)
 
 
 @dataclass
@@ -416,12 +433,17 @@ def match_attention(
     for node in gm.graph.nodes:
         if op_name(node) != "sdpa":
             continue
-        a = sdpa_args(node)
-        module = _guess_module(node, a, params)
+        module = node_module_fqn(node) or node.name
         try:
+            a = sdpa_args(node)
+            module = _guess_module(node, a, params)
             matches.append(_match_one(node, a, params, module, world))
         except _NoMatch as e:
             skips.append(Skip("attention", module, str(e)))
+        except TSPConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this attention alone is skipped and reported
+            skips.append(failed("attention", module, "match", e))
     return matches, skips
 
 
@@ -430,8 +452,6 @@ def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
         lin, _ = _find_projection(a["query"], params, "q")
         return module_fqn_of_param(params[as_linear(lin, params).weight].fqn)
     except _NoMatch:
-        from .graph_utils import node_module_fqn
-
         return node_module_fqn(sdpa) or sdpa.name
 
 

@@ -29,7 +29,7 @@ from tspc.runtime.errors import TSPConfigError
 from .analyse import GraphInfo
 from .elementwise import Nature, is_reshape, nature
 from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs, val
-from .match_attention import Skip
+from .match_attention import Skip, failed
 from .projection import _MATMULS, Linear, as_linear
 
 _ATTENTION = ("sdpa", "softmax")
@@ -284,7 +284,12 @@ def match_mlp(
         down = as_linear(node, params)
         if down is None or node in used:
             continue
-        out = _match_at(down, params, world, moe, natures)
+        try:
+            out = _match_at(down, params, world, moe, natures)
+        except TSPConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this MLP alone is skipped and reported
+            out = failed("mlp", _module(down, params), "match", e)
         if out is None:
             continue
         if isinstance(out, Skip):

@@ -144,6 +144,14 @@ def autograd_cache_off():
     return config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False)
 
 
+def eager_backward_compile():
+    """A context in which aot_autograd compiles the backward graph when it compiles the
+    forward, not lazily at the first backward (``functorch.config``)."""
+    from torch._functorch import config
+
+    return config.patch(force_non_lazy_backward_lowering=True)
+
+
 def current_dynamo_compile_id():
     """Dynamo's id of the frame compile in progress ("0/1": frame 0, its first recompile), or
     None outside one (``torch._guards.CompileContext``, private in 2.13): tspc's compile log
@@ -159,6 +167,31 @@ def dynamo_counters():
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def interpreter_state_functions() -> frozenset:
+    """Functions Dynamo records in a graph that change functorch's interpreter-wide state: the
+    vmap and jvp nesting levels and the forward-AD dual level (``torch._functorch.predispatch``,
+    private in 2.13). Their results are usually unused, yet dropping one leaves the levels
+    unbalanced: a graph that vmaps (transformers' Mamba scans with ``torch.func.vmap``) then
+    fails in aot_autograd with "your tensor may have escaped from inside a function being
+    vmapped". torch.fx's own list of side-effectful functions holds the jvp ones but not
+    vmap's, so dead-code elimination must be told."""
+    from torch._functorch import predispatch
+
+    names = (
+        "_vmap_increment_nesting",
+        "_vmap_decrement_nesting",
+        "_jvp_increment_nesting",
+        "_jvp_decrement_nesting",
+        "_enter_dual_level",
+        "_exit_dual_level",
+        "lazy_load_decompositions",
+    )
+    found = {getattr(predispatch, n) for n in names if hasattr(predispatch, n)}
+    functorch_c = torch._C._functorch
+    found |= {getattr(functorch_c, n) for n in names if hasattr(functorch_c, n)}
+    return frozenset(found)
 
 
 def global_state_snapshot():

@@ -8,3 +8,11 @@ class TSPConfigError(ValueError):
 
 class SequenceLengthError(TSPConfigError):
     """The sequence cannot be cut into the 2D zigzag chunks."""
+
+
+def describe_error(error: BaseException) -> str:
+    """``TypeName: first line of the message``: what a report entry or a warning says of an
+    exception (a partitioner's message runs to pages)."""
+    lines = str(error).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__

@@ -66,6 +66,8 @@ class ShardStore:
     def __init__(self) -> None:
         # keyed by identity: tensors compare elementwise, so a plain weak dict would not do
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # parameters a plain compile reads whole (``tspc/fallback.py``): never released
+        self._held_whole: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def declare(
         self, full: torch.Tensor, layout: Layout, group: str, rank: int, world: int
@@ -131,6 +133,33 @@ class ShardStore:
             if isinstance(t, torch.Tensor) and t in self._entries:
                 copy._entries[t] = self._entries[t]
         return copy
+
+    def keep_declarations(self, scratch: ShardStore) -> None:
+        """Take the declarations made in ``scratch`` (a ``scratch_copy`` of this store): a
+        compile declares in a scratch copy and keeps them only once its passes ran through, so
+        an attempt that failed half-way leaves no layout behind (``tspc/module_isolation.py``)."""
+        for full, entry in scratch._entries.items():
+            self._entries.setdefault(full, entry)
+
+    def forget(self, tensors) -> None:
+        """Drop the declarations of ``tensors`` whose slices were never cut: a compile that
+        fell back to a plain graph (which reads them whole) leaves no layout that no compiled
+        graph uses."""
+        for t in tensors:
+            entry = self._entries.get(t) if isinstance(t, torch.Tensor) else None
+            if entry is not None and entry.dparam is None and not entry.released:
+                del self._entries[t]
+
+    def hold_whole(self, tensors) -> None:
+        """``tensors`` are read whole by a graph compiled without tspc's passes (a fallback):
+        a TSP graph that shards one keeps it whole (a Replicate() DTensor) instead of releasing
+        its storage, which the plain graph would read freed."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._held_whole[t] = True
+
+    def held_whole(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t in self._held_whole
 
     def __contains__(self, full: torch.Tensor) -> bool:
         return full in self._entries

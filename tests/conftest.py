@@ -54,6 +54,7 @@ _RUN_FIRST = {
             "test_training_idioms.py",
             "test_masks.py",
             "test_reliability.py",
+            "test_trust_fallback.py",
             "test_equivalence_forward.py",
             "test_any_length.py",
             "test_hf_models.py",

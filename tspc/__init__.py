@@ -6,6 +6,12 @@ machinery: after the first call the model's parameters are DTensors (see the REA
 """
 
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict
+from tspc.errors import (
+    FallbackWarning,
+    PartitionerTagError,
+    ReleasedWeightsNeededError,
+    TSPCompileError,
+)
 from tspc.generate import GenerateUnsupportedError, enable_generate
 from tspc.report import CompileReport, last_report
 from tspc.runtime.comm import CollectiveTimeout
@@ -18,13 +24,17 @@ from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 __all__ = [
     "CollectiveTimeout",
     "CompileReport",
+    "FallbackWarning",
     "GenerateUnsupportedError",
     "enable_generate",
     "InputMismatchError",
     "OptimizerParameterError",
+    "PartitionerTagError",
     "SequenceLengthError",
     "TSPConfigError",
     "ReleasedParameterError",
+    "ReleasedWeightsNeededError",
+    "TSPCompileError",
     "is_released",
     "last_report",
     "load_state_dict",

@@ -15,8 +15,6 @@ a multiple of 2D is compiled once for every length of that kind instead
 
 from __future__ import annotations
 
-import functools
-import gc
 import itertools
 import logging
 import time
@@ -48,6 +46,8 @@ from tspc.runtime.tsp_params import (
 
 from . import compiles
 from .dump import write_dump
+from .errors import ReleasedWeightsNeededError, TSPCompileError  # noqa: F401 - re-exported
+from .fallback import check_released_inputs, fall_back, warn_level_failed
 from .inner import AotGraphs, compile_inner
 from .length_family import (
     LengthFamily,
@@ -81,67 +81,7 @@ recompiles does not keep every graph it ever made."""
 KEEP_COMPILED = 16
 
 
-class TSPCompileError(RuntimeError):
-    """The passes could not handle the model and ``strict`` was requested."""
-
-
-class ReleasedWeightsNeededError(TSPCompileError):
-    """A graph compiled after tspc released the full weights of sharded parameters would read
-    one of them whole (a fallback level, or a use the schedules do not cover): it cannot run."""
-
-
-def _check_released_inputs(
-    gm: fx.GraphModule,
-    result: PipelineResult,
-    example_inputs: list[Any],
-    errors: list[str],
-    graph_id: int,
-) -> None:
-    """Raise before compiling a graph that reads a released full weight: running it would read
-    freed storage (``setStorage ... out of bounds for storage of size 0``)."""
-    placeholders = [n for n in result.gm.graph.nodes if n.op == "placeholder"]
-    needed = []
-    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
-        entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
-        if entry is not None and entry.released and node.users:
-            needed.append(i)
-    if not needed:
-        return
-    info = analyse(gm, example_inputs)  # Dynamo's graph: its placeholders are the inputs
-    needed = [info.inputs[i].fqn or placeholders[i].name for i in needed]
-    why = "; ".join(errors) if errors else "the graph reads them whole"
-    raise ReleasedWeightsNeededError(
-        f"tspc: graph {graph_id} ran the '{result.report.level}' pipeline ({why}), which needs "
-        f"the whole weights {', '.join(needed)}; an earlier graph sharded them and released the "
-        "full tensors, so this graph cannot run. Compile with options={'schedules': 'sp'} (no "
-        "weight sharding) for inputs like these, or report the failure above."
-    )
-
-
-def _gc_paused(fn: Callable) -> Callable:
-    """Run ``fn`` with Python's cyclic garbage collector paused.
-
-    Compiling builds hundreds of thousands of short-lived objects (FX nodes, fake tensors,
-    the min-cut partitioner's networkx graph), and each automatic collection also walks the
-    large heap that Dynamo and aot_autograd hold at that moment: for a 32-layer model about a
-    third of the passes' time and half of the partitioner's went to the collector. The cycles
-    made while paused are freed by the next collection after it (torch's distributed
-    checkpointing pauses the collector around its state-dict walk for the same reason)."""
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was_enabled:
-                gc.enable()
-
-    return paused
-
-
-@_gc_paused
+@compiles.gc_paused
 def _compile_static(
     gm: fx.GraphModule,
     example_inputs: list[Any],
@@ -149,14 +89,14 @@ def _compile_static(
     opts: TSPOptions,
     why: tuple[str, str],
     dynamo_compile_id: str | None,
+    graph_id: int,
     probe: LengthProbe | None = None,
 ) -> Callable:
     """Run the passes and the inner compiler on a graph with static shapes. ``why`` is the
     kind and the words of the reason for this compile (``tspc/compiles.py``). With ``probe``
     (``dynamic_seq``), the inner compiler gets the rewritten graph generalised over the
     sequence length when that works (``tspc/length_family.py``; ``probe.failed`` says why
-    not)."""
-    graph_id = next(_GRAPH_IDS)
+    not). Raises whatever fails: the callers fall back (``tspc/fallback.py``)."""
     t0 = time.perf_counter()
     start = {"tsp": "tsp", "sp": "sp", "none": "replicated"}[opts.schedules]
     errors: list[str] = []
@@ -174,6 +114,7 @@ def _compile_static(
                 ) from e
             log.warning("tspc: the '%s' pipeline failed (%s); falling back", level, e)
             errors.append(f"'{level}' failed: {type(e).__name__}: {e}")
+            warn_level_failed(graph_id, level, LEVELS[LEVELS.index(level) + 1 :], e)
     if result is None:  # even the replicated level failed: nothing tspc could run
         raise TSPCompileError(
             f"tspc: every pipeline level failed on graph {graph_id}, so it cannot run this "
@@ -183,7 +124,7 @@ def _compile_static(
         )
     report = result.report
     report.fallbacks = errors
-    _check_released_inputs(gm, result, example_inputs, errors, graph_id)
+    check_released_inputs(gm, result, example_inputs, errors, graph_id)
     if opts.strict:
         skipped = report.skipped
         if skipped:
@@ -219,11 +160,16 @@ def _compile_static(
         compiled = write_dump(opts.dump_dir, result, graphs, group, compiled, full_inputs, opts)
     for s in result.shard_inputs:
         s.example = None  # the compiled graph has what it needs; don't hold slices of weights
-    releasable, kept = _releasable_parameters(result.gm, example_inputs)
+    releasable, kept, held = _releasable_parameters(result.gm, example_inputs)
     for name in kept:
         report.notes.append(
             f"{name} is sharded but still used whole by this graph: not released, held as a "
             "Replicate() DTensor"
+        )
+    for name in held:
+        report.notes.append(
+            f"{name} is sharded here but read whole by a graph that fell back to a plain "
+            "compile: not released, held as a Replicate() DTensor"
         )
     info = analyse(gm, example_inputs)
     for i in sorted({s.param_index for s in result.shard_inputs}):
@@ -319,19 +265,24 @@ def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
     ]
 
 
-def _releasable_parameters(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[list, list]:
-    """Positions of full parameters this graph no longer reads (only their shards), and the
-    names of sharded ones it still reads whole (those are kept)."""
-    releasable, kept = [], []
+def _releasable_parameters(
+    gm: fx.GraphModule, example_inputs: list[Any]
+) -> tuple[list, list, list]:
+    """Positions of full parameters this graph no longer reads (only their shards), the names
+    of sharded ones it still reads whole, and of those a plain (fallback) graph reads whole
+    (both kept; ``_CompiledTSPGraph`` also checks the latter at its first call)."""
+    releasable, kept, held = [], [], []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
         if not (isinstance(ex, torch.Tensor) and STORE.get(ex) is not None):
             continue
         if node.users:
             kept.append(node.name)
+        elif STORE.held_whole(ex):
+            held.append(node.name)
         else:
             releasable.append(i)
-    return releasable, kept
+    return releasable, kept, held
 
 
 class _CompiledTSPGraph:
@@ -392,7 +343,9 @@ class _CompiledTSPGraph:
                 if entry is None:
                     entry = STORE.declare(flat[i], self.layouts[i], g.name, g.rank, g.size)
                 if entry.dparam is None:  # the first call: cut this rank's slices
-                    create_sharded_dparam(flat[i], entry, keep_whole=i not in self.releasable)
+                    # kept whole: this graph reads it whole, or a plain (fallback) graph does
+                    keep = i not in self.releasable or STORE.held_whole(flat[i])
+                    create_sharded_dparam(flat[i], entry, keep_whole=keep)
                 views.update(zip(((i, s) for s in specs), local_views(entry, specs)))
             shards = [views[key] for key in self.shard_order]
             tps = []
@@ -448,6 +401,10 @@ class _PerShapeCompiler:
         # is no family compiles per length from then on)
         self.families: list[LengthFamily] = []
         self.family_failed = False
+        # what raised when tspc compiled a shape of this graph: every shape then runs a plain
+        # compile (``tspc/fallback.py``), without trying the passes again
+        self.fell_back: BaseException | None = None
+        self.compiling: int | None = None  # the id of the graph being compiled
 
     def __call__(self, *args):
         key = compiles.shape_key(args, self.baked)
@@ -467,50 +424,74 @@ class _PerShapeCompiler:
                 self.cache[key] = fn
                 return fn(*args)
             with tspc_internal():
-                shape = GraphContext(self.gm.graph, self.opts, self.gm, list(args))
-                run_passes(SPECIALIZE, shape, None, "symbolic graph")
-                static = shape.gm
-                # the length Dynamo first traced with static shapes (before it saw a second
-                # one) comes back here: its compile is reused, not repeated
-                reused = compiles.reuse_for(
-                    compiles.graph_signature(static, list(args)),
-                    self.names,
-                    _reuse_key(self.group, self.opts, self.dynamo_id),
-                )
-                if reused is not None:
-                    fn, graph_id = reused
-                    compiles.log.info(
-                        "tspc: no compile for the %s: the graph compiled for Dynamo's static "
-                        "trace of the same shapes (graph %d) runs it",
-                        why[1].split(";")[0],
+                self.compiling = None
+                try:
+                    if self.fell_back is not None:  # an earlier shape's compile raised
+                        raise self.fell_back
+                    fn = self._compile_shape(args, why)
+                except Exception as e:
+                    graph_id = self.compiling if self.compiling is not None else next(_GRAPH_IDS)
+                    _drop_compiled(graph_id)
+                    first = self.fell_back is None
+                    self.fell_back = e
+                    fn = fall_back(
+                        e,
+                        self.gm,
+                        list(args),
+                        self.group,
+                        self.opts,
                         graph_id,
+                        why,
+                        self.dynamo_id,
+                        warn=first,
                     )
-                else:
-                    probe = self._probe(static, list(args))
-                    fn = _compile_static(
-                        static, list(args), self.group, self.opts, why, self.dynamo_id, probe
-                    )
-                    if probe is not None and probe.failed is not None:
-                        self.family_failed = True
-                    elif probe is not None:
-                        # the probe's own graph and arguments are not kept: only what
-                        # ``covers`` reads
-                        self.families.append(
-                            LengthFamily(
-                                fn,
-                                last_graph_id(),
-                                probe.seq,
-                                probe.chunks,
-                                family_key(args, self.baked, probe.seq),
-                                self.baked,
-                                probe.shape_env,
-                                probe.symbol,
-                                probe.lengths,
-                                probe.longest,
-                            )
-                        )
             self.cache[key] = fn
         return fn(*args)
+
+    def _compile_shape(self, args: tuple, why: tuple[str, str]) -> Callable:
+        shape = GraphContext(self.gm.graph, self.opts, self.gm, list(args))
+        run_passes(SPECIALIZE, shape, None, "symbolic graph")
+        static = shape.gm
+        # the length Dynamo first traced with static shapes (before it saw a second
+        # one) comes back here: its compile is reused, not repeated
+        reused = compiles.reuse_for(
+            compiles.graph_signature(static, list(args)),
+            self.names,
+            _reuse_key(self.group, self.opts, self.dynamo_id),
+        )
+        if reused is not None:
+            fn, reused_id = reused
+            compiles.log.info(
+                "tspc: no compile for the %s: the graph compiled for Dynamo's static "
+                "trace of the same shapes (graph %d) runs it",
+                why[1].split(";")[0],
+                reused_id,
+            )
+            return fn
+        probe = self._probe(static, list(args))
+        self.compiling = graph_id = next(_GRAPH_IDS)
+        fn = _compile_static(
+            static, list(args), self.group, self.opts, why, self.dynamo_id, graph_id, probe
+        )
+        if probe is not None and probe.failed is not None:
+            self.family_failed = True
+        elif probe is not None:
+            # the probe's own graph and arguments are not kept: only what ``covers`` reads
+            self.families.append(
+                LengthFamily(
+                    fn,
+                    last_graph_id(),
+                    probe.seq,
+                    probe.chunks,
+                    family_key(args, self.baked, probe.seq),
+                    self.baked,
+                    probe.shape_env,
+                    probe.symbol,
+                    probe.lengths,
+                    probe.longest,
+                )
+            )
+        return fn
 
     def _probe(self, static: fx.GraphModule, args: list[Any]) -> LengthProbe | None:
         """An attempt at one program for every length (``dynamic_seq``), or None. Made at the
@@ -572,19 +553,36 @@ def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
     _refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim)
-    info = analyse(gm, example_inputs)
     dynamo_id = compiles.dynamo_compile_id()
-    if info.has_symbolic_inputs:
-        log.info("tspc: symbolic shapes: compiling per concrete shape at first use")
-        return _PerShapeCompiler(gm, group, opts, dynamo_id)
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
-    fn = _compile_static(gm, list(example_inputs), group, opts, why, dynamo_id)
+    graph_id = None
+    try:
+        info = analyse(gm, example_inputs)
+        if info.has_symbolic_inputs:
+            log.info("tspc: symbolic shapes: compiling per concrete shape at first use")
+            return _PerShapeCompiler(gm, group, opts, dynamo_id)
+        graph_id = next(_GRAPH_IDS)
+        fn = _compile_static(gm, list(example_inputs), group, opts, why, dynamo_id, graph_id)
+    except Exception as e:
+        # Anything tspc raised before a weight was released: the plain compile of Dynamo's
+        # graph (symbolic sizes and all) stands in, or the error that says why none can.
+        if graph_id is None:
+            graph_id = next(_GRAPH_IDS)
+            why = (compiles.NEW_GRAPH, "a graph Dynamo traced")
+        _drop_compiled(graph_id)
+        return fall_back(e, gm, list(example_inputs), group, opts, graph_id, why, dynamo_id)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     signature = compiles.graph_signature(gm, list(example_inputs))
     compiles.remember_static(
         signature, _reuse_key(group, opts, dynamo_id), fn, names, last_graph_id()
     )
     return fn
+
+
+def _drop_compiled(graph_id: int) -> None:
+    """Forget what a compile that raised kept for dumps and tests (its report goes with the
+    fallback's, ``tspc/fallback.py``)."""
+    COMPILED[:] = [c for c in COMPILED if c.report.graph_id != graph_id]
 
 
 def _reuse_key(group: TSPGroup, opts: TSPOptions, dynamo_id: str | None) -> tuple:

@@ -22,6 +22,8 @@ kind, so tspc counts and logs both:
 
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 import weakref
 from collections.abc import Callable
@@ -215,3 +217,26 @@ def remember_static(
         )
     except TypeError:  # an unhashable option value, or a callable without weak references
         return
+
+
+def gc_paused(fn: Callable) -> Callable:
+    """Run ``fn`` with Python's cyclic garbage collector paused.
+
+    Compiling builds hundreds of thousands of short-lived objects (FX nodes, fake tensors,
+    the min-cut partitioner's networkx graph), and each automatic collection also walks the
+    large heap that Dynamo and aot_autograd hold at that moment: for a 32-layer model about a
+    third of the passes' time and half of the partitioner's went to the collector. The cycles
+    made while paused are freed by the next collection after it (torch's distributed
+    checkpointing pauses the collector around its state-dict walk for the same reason)."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused

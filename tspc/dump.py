@@ -25,10 +25,11 @@
 
 When the files are written: at compile time (so a run that hangs in its first step still leaves
 the graphs and the schedule), again after the graph's first call (with the collectives the
-runtime measured in it), and when the backward is compiled and after its first call (the
-backward graph only exists then: aot_autograd compiles it lazily). The refreshes are hooks on
-the callable the backend returns and on the backward compiler (``AotGraphs.on_backward_compiled``
-in ``tspc/inner.py``); after those first calls they cost one flag test per call.
+runtime measured in it), and after the backward's first call (what the runtime measured in it;
+the backward graph itself is compiled with the forward, ``tspc/inner.py``). The refreshes are
+hooks on the callable the backend returns and on the compiled backward
+(``AotGraphs.on_backward_compiled``, applied at its first call); after those first calls they
+cost one flag test per call.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ class GraphDump:
             )
         if not has_backward:
             notes.append(
-                "no backward graph yet: aot_autograd compiles it at the first backward call"
+                "no backward graph: nothing of this graph needs a gradient (tspc compiles the "
+                "backward with the forward, tspc/inner.py)"
             )
         return notes
 

@@ -43,10 +43,16 @@ from typing import Any
 
 import torch.fx as fx
 
+from tspc.passes.tag_origin import tags_in_error, torch_words
 from tspc.runtime import comm
 from tspc.runtime.comm import is_transfer
-from tspc.runtime.compat import autograd_cache_off, partitioner_without_cse
+from tspc.runtime.compat import (
+    autograd_cache_off,
+    eager_backward_compile,
+    partitioner_without_cse,
+)
 
+from .errors import REPORT_HINT, PartitionerTagError
 from .options import TSPOptions
 from .pipeline import (
     AOT_GRAPH_PIPELINE,
@@ -77,10 +83,35 @@ def tsp_partition(
     run_passes(JOINT_PIPELINE, ctx, snapshots, "joint graph")
     if dump:
         graphs.snapshots.append(("joint", snapshots))
-    if not ctx.partitioner_cse:
-        with partitioner_without_cse():
-            return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
-    return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+    try:
+        if not ctx.partitioner_cse:
+            with partitioner_without_cse():
+                return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+    except Exception as e:
+        tagged = tags_in_error(joint_module.graph, str(e))
+        if not tagged:
+            raise
+        raise partitioner_tag_error(tagged, str(e)) from e
+
+
+def partitioner_tag_error(tagged: list, message: str) -> PartitionerTagError:
+    """tspc's error for a partitioner failure on a value tspc tagged (``passes/tag_origin.py``):
+    the node, the tag, the pass that set it and the option that avoids it, then torch's own
+    account of the conflict without its pointer to PyTorch's tracker."""
+    first = tagged[0]
+    lines = [
+        f"  '{t.node}': tagged {t.tag} by tspc's pass {t.tagged_by}; avoided by {t.option}"
+        for t in tagged
+    ]
+    return PartitionerTagError(
+        f"tspc: aot_autograd's partitioner could not honour the tag tspc's pass "
+        f"{first.tagged_by.split(' ')[0]} put on '{first.node}' (a bug in tspc, not in "
+        "PyTorch); the tagged nodes it names:\n"
+        + "\n".join(lines)
+        + f"\nPlease report it: {REPORT_HINT}. The partitioner said:\n"
+        + torch_words(message)
+    )
 
 
 _is_collective = is_transfer
@@ -216,8 +247,8 @@ class AotGraphs:
     # inner="inductor": the Python code Inductor generated for each graph (for dumps and tests)
     forward_inductor_code: list[str] = field(default_factory=list)
     backward_inductor_code: list[str] = field(default_factory=list)
-    # Dump hook (tspc/dump.py): wraps the backward once aot_autograd compiles it, lazily at the
-    # first backward call, so the dump can add the backward graph and what it communicated.
+    # Dump hook (tspc/dump.py): wraps the compiled backward at its first call, so the dump can
+    # add what it communicated.
     on_backward_compiled: Callable[[Callable], Callable] | None = None
     # seconds spent in the inner compiler per graph ("forward", "backward"), added to the
     # compile record of this graph (``tspc/compiles.py``); shared with the report
@@ -237,6 +268,36 @@ def _with_timeout(fn: Callable, seconds: float) -> Callable:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def compile_plain(gm: fx.GraphModule, example_inputs: list[Any], inner: str) -> Callable:
+    """Dynamo's graph compiled by the inner compiler alone, no tspc pass: what
+    ``torch.compile(model, backend=inner)`` would run (``tspc/fallback.py``)."""
+    if inner == "eager":
+        return gm.forward
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(inner)(gm, example_inputs)
+
+
+class _LateBackwardHook:
+    """The compiled backward, wrapped at its first call by ``graphs.on_backward_compiled``
+    (a dump's hook) when one was set after the backward was compiled: tspc compiles the
+    backward with the forward (``compile_inner``), before the backend sets the hook."""
+
+    _boxed_call = True
+
+    def __init__(self, fn: Callable, graphs: AotGraphs):
+        self.fn = fn
+        self.graphs = graphs
+        self.hooked = False
+
+    def __call__(self, args):
+        if not self.hooked:
+            self.hooked = True
+            if self.graphs.on_backward_compiled is not None:
+                self.fn = self.graphs.on_backward_compiled(self.fn)
+        return self.fn(args)
 
 
 def compile_inner(
@@ -280,8 +341,8 @@ def compile_inner(
                         graphs.backward_inductor_code.append(code)
             else:
                 fn = make_boxed_func(g.forward)
-            if kind == "backward" and graphs.on_backward_compiled is not None:
-                fn = graphs.on_backward_compiled(fn)  # dump hook, see AotGraphs
+            if kind == "backward":
+                fn = _LateBackwardHook(fn, graphs)  # dump hook, see AotGraphs
             if kind == "backward" and opts.comm_timeout is not None:
                 fn = _with_timeout(fn, float(opts.comm_timeout))
             return fn
@@ -304,7 +365,11 @@ def compile_inner(
     # that is a ``SerializableAOTDispatchCompiler``, which ours is not, and forced, its
     # ``check_cacheable`` bypasses tspc's rewritten graph, whose nodes call plain functions
     # (``runtime/packing.pack``, the ring's ``autograd.Function``), not only ops.
-    with autograd_cache_off():
+    # The backward is compiled now, with the forward, not at the first backward
+    # (``force_non_lazy_backward_lowering``): a failure in it (its passes, Inductor) then shows
+    # while the full weights still exist and the backend can fall back to a plain compile
+    # (``tspc/fallback.py``); at the first backward they are already released.
+    with autograd_cache_off(), eager_backward_compile():
         return aot_module_simplified(
             gm,
             example_inputs,

@@ -217,12 +217,18 @@ def _longest(report) -> int | None:
 def run_pipeline_quietly(run_pipeline, gm, args, group, opts, level):
     """The pipeline at another length, writing no dump and declaring its shards in a scratch
     copy of the runtime's store (the compile's own declarations are there already; shards of
-    weights already released are read from their DTensors)."""
+    weights already released are read from their DTensors), and repeating no warning of a
+    module left out (the compile at this length gave it)."""
+    import warnings
     from dataclasses import replace
+
+    from .errors import FallbackWarning
 
     static = specialize(gm, args)
     store = STORE.scratch_copy(args)
-    return run_pipeline(static, args, group, replace(opts, dump_dir=None), level, -1, store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return run_pipeline(static, args, group, replace(opts, dump_dir=None), level, -1, store)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

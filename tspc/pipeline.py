@@ -66,6 +66,8 @@ from tspc.runtime.compat import LazyGraphModule, joint_graph_cse
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE, ShardStore
 
+from .errors import ModuleRewriteFailed
+from .module_isolation import ModuleFailures, rewrite_guarded, run_isolated, warn_module_skipped
 from .options import TSPOptions
 from .report import CompileReport, ModuleEntry
 
@@ -107,6 +109,8 @@ class PassContext:
     shards: ShardInputs | None = None  # the weight shards the rewrites asked for
     # where the rewrites declare every rank's slices of a weight (the runtime's STORE)
     shard_store: ShardStore = field(default_factory=lambda: STORE)
+    # modules left out of the rewrites because theirs raised (tspc/module_isolation.py)
+    failures: ModuleFailures = field(default_factory=ModuleFailures)
 
     @property
     def rewrites(self) -> bool:
@@ -207,6 +211,10 @@ def _match(ctx: PassContext) -> None:
         claimed |= {p.linear for p in m.projections()} | {m.o_linear}
     ctx.mlp_matches, mlp_skips = match_mlp(ctx.gm, ctx.info, D, claimed)
     for s in att_skips + mlp_skips:
+        if s.error is not None:  # matching raised: this module alone is left out
+            if ctx.opts.strict:
+                raise ModuleRewriteFailed(s.kind, s.module, "match", s.error) from s.error
+            warn_module_skipped(ctx.report.graph_id, s.kind, s.module, s.error)
         ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
 
@@ -242,7 +250,15 @@ def _rewrite_attention(ctx: PassContext) -> None:
         return
     ctx.shards = ShardInputs(ctx.gm, ctx.info, ctx.group, ctx.shard_store)
     for m in ctx.att_matches:
-        out = rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+        failed = ctx.failures.excluded("attention", m.module)
+        if failed:
+            report.entries.append(ModuleEntry("attention", m.module, "skipped", failed))
+            continue
+        out = rewrite_guarded(
+            "attention",
+            m.module,
+            lambda m=m: rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards),
+        )
         if isinstance(out, AttentionRewrite):
             details = {
                 k: v for k, v in vars(out).items() if k not in ("module", "notes", "model_kv_heads")
@@ -272,7 +288,13 @@ def _rewrite_mlp(ctx: PassContext) -> None:
         _report_not_rewritten(ctx, "mlp", ctx.mlp_matches)
         return
     for m in ctx.mlp_matches:
-        out = rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+        failed = ctx.failures.excluded("mlp", m.module)
+        if failed:
+            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
+            continue
+        out = rewrite_guarded(
+            "mlp", m.module, lambda m=m: rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+        )
         details = {k: v for k, v in vars(out).items() if k != "module"}
         details["intermediate"] = m.intermediate
         ctx.report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
@@ -453,10 +475,36 @@ def run_pipeline(
     store: ShardStore = STORE,
 ) -> PipelineResult:
     """Every pass of ``PIPELINE`` that applies, in order, on a copy of Dynamo's graph.
-    ``store``: where the rewrites declare the weights' slices (a test may pass its own)."""
+    ``store``: where the rewrites declare the weights' slices (a test may pass its own); only
+    the declarations of the attempt that ran through reach it. A module whose rewrite raises is
+    left out and the passes run again (``tspc/module_isolation.py``)."""
+
+    def attempt(failures: ModuleFailures) -> PipelineResult:
+        scratch = store.scratch_copy(example_inputs)
+        res = _run_pipeline_once(
+            dynamo_gm, example_inputs, group, opts, level, graph_id, scratch, failures
+        )
+        store.keep_declarations(scratch)
+        return res
+
+    return run_isolated(attempt, opts.strict, graph_id)
+
+
+def _run_pipeline_once(
+    dynamo_gm: fx.GraphModule,
+    example_inputs: list[Any],
+    group: TSPGroup,
+    opts: TSPOptions,
+    level: str,
+    graph_id: int,
+    store: ShardStore,
+    failures: ModuleFailures,
+) -> PipelineResult:
     gm = fresh_copy(dynamo_gm)
     report = CompileReport(rank=group.rank, world=group.size, level=level, graph_id=graph_id)
-    ctx = PassContext(gm, list(example_inputs), group, opts, level, report, shard_store=store)
+    ctx = PassContext(
+        gm, list(example_inputs), group, opts, level, report, shard_store=store, failures=failures
+    )
     res = PipelineResult(gm, report)
 
     # Only a dump shows the per-pass code: generating it for the whole graph after every

@@ -35,7 +35,9 @@ class CompileReport:
     # the length the ranks ran: seq_len padded to a multiple of 2D when it does not split
     # into 2D zigzag chunks (None when the sequence was not sharded)
     padded_seq_len: int | None = None
-    level: str = "tsp"  # "tsp", "sp" or "replicated": what actually ran
+    # what actually ran: "tsp", "sp", "replicated", or "fallback" (tspc's compile raised and a
+    # plain compile of the graph runs: ``fallbacks`` says why, ``tspc/fallback.py``)
+    level: str = "tsp"
     entries: list[ModuleEntry] = field(default_factory=list)
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
     gathers: list[dict] = field(default_factory=list)
@@ -114,6 +116,12 @@ def remember(report: CompileReport) -> None:
     that recompiles for hours must not grow without bound."""
     REPORTS.append(report)
     del REPORTS[:-KEEP_REPORTS]
+
+
+def forget_report(graph_id: int) -> None:
+    """Drop the report of graph ``graph_id`` (a compile that failed after writing it: the
+    fallback's report takes its place)."""
+    REPORTS[:] = [r for r in REPORTS if r.graph_id != graph_id]
 
 
 def reports_after(graph_id: int) -> list[CompileReport]:

@@ -1,0 +1,64 @@
+"""What tspc raises and warns when its own compile goes wrong (``docs/guarantees.md``).
+
+Errors a user must act on for their model or options are ``TSPConfigError``
+(``runtime/errors.py``); the ones here are tspc's own failures: raised under ``strict``, or when
+no plain compile can stand in (weights already released), and warned about when one does.
+"""
+
+from __future__ import annotations
+
+from tspc.runtime.errors import TSPConfigError, describe_error
+
+__all__ = [
+    "FallbackWarning",
+    "ModuleRewriteFailed",
+    "PartitionerTagError",
+    "ReleasedWeightsNeededError",
+    "TSPCompileError",
+    "TSPConfigError",
+    "describe_error",
+]
+
+REPORT_HINT = (
+    "please report it at the tspc issue tracker with the dump of options={'dump_dir': ...}"
+)
+
+
+class TSPCompileError(RuntimeError):
+    """The passes could not handle the model and ``strict`` was requested, or no fallback could
+    run the graph."""
+
+
+class ReleasedWeightsNeededError(TSPCompileError):
+    """A graph compiled after tspc released the full weights of sharded parameters would read
+    one of them whole (a fallback level, or a use the schedules do not cover): it cannot run."""
+
+
+class PartitionerTagError(TSPCompileError):
+    """aot_autograd's partitioner could not honour a tag tspc put on the joint graph (a value
+    marked to be recomputed in the backward, or pinned to the backward). The tag is tspc's, so
+    the bug is too, whatever torch's own message says."""
+
+
+class FallbackWarning(UserWarning):
+    """tspc could not run part of a graph (one module, or the whole graph) with the TSP
+    schedules and ran it another way that gives the same numbers: the warning names the cause
+    and what memory it costs."""
+
+
+class ModuleRewriteFailed(Exception):
+    """Internal: matching or rewriting one module raised. The pipeline runs again from Dynamo's
+    graph with that module left out (``tspc/module_isolation.py``); never reaches a user except
+    under ``strict``, as the cause of a ``TSPCompileError``."""
+
+    def __init__(self, kind: str, module: str, stage: str, error: BaseException):
+        self.kind = kind
+        self.module = module
+        self.stage = stage  # "match" or "rewrite"
+        self.error = error
+        super().__init__(f"{stage} of {kind} {module} failed: {describe_error(error)}")
+
+    @property
+    def reason(self) -> str:
+        """The report entry's reason: what raised, in the user's words."""
+        return f"{self.stage} failed: {describe_error(self.error)}"
