@@ -1,4 +1,5 @@
-"""Errors a user gets for configurations tspc cannot run (never a fallback, never a hang)."""
+"""Errors a user gets for configurations tspc cannot run (never a fallback, never a hang), and
+the warning for what runs but not as the user may believe."""
 
 
 class TSPConfigError(ValueError):
@@ -8,3 +9,10 @@ class TSPConfigError(ValueError):
 
 class SequenceLengthError(TSPConfigError):
     """The sequence cannot be cut into the 2D zigzag chunks."""
+
+
+class TSPHeldWholeWarning(UserWarning):
+    """A matched attention or MLP runs with (some of) its weights held whole on every rank —
+    memory not 1/D — for a reason the user can change (a D that does not fit its heads or its
+    intermediate size). Issued once per module per compile; the message names the module, the
+    reason and the D values that would shard it."""

@@ -9,7 +9,7 @@ from tspc.api import load_state_dict, named_parameters, parameters, state_dict
 from tspc.generate import GenerateUnsupportedError, enable_generate
 from tspc.report import CompileReport, last_report
 from tspc.runtime.comm import CollectiveTimeout
-from tspc.runtime.errors import SequenceLengthError, TSPConfigError
+from tspc.runtime.errors import SequenceLengthError, TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.input_check import InputMismatchError
 from tspc.runtime.release import ReleasedParameterError, is_released
 from tspc.runtime.tsp_params import OptimizerParameterError
@@ -24,6 +24,7 @@ __all__ = [
     "OptimizerParameterError",
     "SequenceLengthError",
     "TSPConfigError",
+    "TSPHeldWholeWarning",
     "ReleasedParameterError",
     "is_released",
     "last_report",
