@@ -9,17 +9,22 @@ Models in "eager" attention mode spell attention out:
 When the scores and probabilities are used by nothing else (the model does not return its
 attention weights), the whole chain is replaced by one SDPA call with the same mask and scale,
 so the rest of the pipeline sees a single anchor and never an ``S x S`` score tensor on the TSP
-path. The result equals the eager chain up to floating-point summation order.
+path. The result equals the eager chain up to floating-point summation order — including a query
+row the mask hides from every key (left padding), which eager softmax makes uniform over every
+key under Hugging Face's finfo.min mask: the call is marked ``tspc_canonical``, and
+``classify_mask.py`` hands it to a kernel that computes such rows as eager code does, forward
+and backward (``tspc/ops/masked_rows.py``; torch's fused SDPA kernels get their backward wrong).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape
+from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape, tensor_val
 
 _CASTS = ("to", "type", "float", "type_as", "half", "bfloat16", "contiguous")
 # the scale of the scores; in place too (Falcon's ``scores /= sqrt(d)``: its only user)
@@ -78,6 +83,9 @@ def _match(out: fx.Node):
     if op_name(scores) == "add" and _single_user(scores):
         a, b = scores.args
         scores, mask = (a, b) if op_name(a) in _SCALES + ("matmul",) else (b, a)
+    tv = tensor_val(mask) if isinstance(mask, fx.Node) else None
+    if tv is not None and tv.dtype == torch.bool:
+        return "a bool mask added to the scores (eager adds it as 0/1; SDPA would mask with it)"
     scale = 1.0
     if op_name(scores) in _SCALES and _single_user(scores):
         a, b = scores.args

@@ -32,18 +32,24 @@ else is). Anything else is left alone and reported; the sequence pass then cuts 
 query rows, which is always exact.
 
 Additive float masks (``0`` where attending, a very negative value elsewhere, as eager attention
-uses) are recognised through ``where``/``masked_fill`` forms of a boolean condition.
+uses) are recognised through ``where``/``masked_fill`` forms of a boolean condition. The masked
+value decides what a query row that sees no key (left padding) computes — with finfo.min it
+attends uniformly to every key, with a bool mask it is 0 — so it travels with the call
+(``masked_value``, and ``safe_softmax``: SDPA's softmax or eager code's) and the kernel gives
+that row exactly what the model's own softmax gives it, forward and backward
+(``tspc/ops/masked_rows.py``). An additive mask that is not recognised runs as
+``masked_attention``: torch's SDPA with those rows made exact.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from tspc.ops.masked_rows import masked_attention
 from tspc.ops.zigzag_attention import causal_attention  # also registers tspc::documents_of_mask
 
 from .graph_utils import (
@@ -54,7 +60,7 @@ from .graph_utils import (
     shape,
     tensor_val,
 )
-from .mask_expr import COMPARISONS, NEGATED, MaskEvaluator, Opaque
+from .mask_expr import COMPARISONS, NEGATED, KeyTermEmitter, MaskEvaluator, Opaque
 from .match_attention import sdpa_args
 
 # --------------------------------------------------------------------------- classification
@@ -163,6 +169,9 @@ class MaskMeaning:
     # the longest sequence at which the dropped terms are still always true (a window at least
     # as wide as the sequence); None: the meaning holds at every length
     longest: int | None = None
+    # an additive mask's value at a masked key (None: a bool mask): what a row that sees no
+    # key attends with
+    masked_value: float | None = None
 
     def describe(self, key_padding: bool) -> str:
         if self.user_mask is not None:
@@ -174,6 +183,9 @@ class MaskMeaning:
             out += f" + documents ({self.doc_source})"
         if key_padding:
             out += " + key padding"
+            if self.masked_value is not None and math.isfinite(self.masked_value):
+                v = self.masked_value
+                out += f" (a row that sees no key: softmax(scores + ({v:g})) over every key)"
         if self.dropped:
             out += " (" + "; ".join(self.dropped) + ")"
         return out
@@ -379,70 +391,14 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
             windows.append(what)
     if not causal:
         return "the mask is not causal"
-    if key_terms and off_value is not None:
-        # With key padding some query rows (left padding) see no key at all. An additive mask
-        # makes such a row attend *uniformly to every key* (finite minimum) or produce NaN
-        # (-inf) — not what the causal kernel does (zeros). Keep those semantics exact: the
-        # sequence pass cuts the mask's local rows instead.
-        return (
-            "additive mask with key padding: fully masked (padding) query rows would attend "
-            "uniformly to all keys; kept exact by cutting the mask's local rows"
-        )
     key = None
     for t in key_terms:
         key = t if key is None else ("op", "and", (key, t))
     window = min(windows) if windows else None
     return MaskMeaning(
-        "causal", key, dropped, window, doc, doc_source, longest=min(longest, default=None)
-    )
-
-
-# --------------------------------------------------------------------------- emitting key_valid
-
-
-class _Emitter:
-    """FX nodes computing a ``(b, k)`` expression as a ``[B, S]`` bool tensor."""
-
-    def __init__(self, g: fx.Graph, b: int, s: int):
-        self.g, self.b, self.s = g, b, s
-
-    def emit(self, e):
-        g = self.g
-        kind = e[0]
-        if kind == "const":
-            return g.call_function(torch.full, ((self.b, self.s), e[1]))
-        if kind == "leaf":
-            node, idx = e[1], e[2]
-            ns = shape(node)
-            if idx == (("idx", 0), ("idx", 3)) and ns == (self.b, self.s):
-                return node
-            if idx == (("const", 0), ("idx", 3)) and len(ns) == 2 and ns[1] == self.s:
-                return g.call_function(operator.getitem, (node, (slice(0, 1), slice(None))))
-            raise Opaque(f"key term indexes {node} as {idx}")
-        if kind == "bool":
-            x = self.emit(e[1])
-            return g.call_method("ne", (x, 0))
-        if kind == "op":
-            args = [self.emit(a) if a[0] != "const" else a[1] for a in e[2]]
-            fn = {
-                "and": torch.logical_and,
-                "or": torch.logical_or,
-                "not": torch.logical_not,
-                "eq": torch.eq,
-                "ne": torch.ne,
-                "le": torch.le,
-                "lt": torch.lt,
-                "ge": torch.ge,
-                "gt": torch.gt,
-                "add": torch.add,
-                "sub": torch.sub,
-                "mul": torch.mul,
-                "where": torch.where,
-            }.get(e[1])
-            if fn is None:
-                raise Opaque(f"op {e[1]}")
-            return g.call_function(fn, tuple(args))
-        raise Opaque(f"expression {kind}")
+        "causal", key, dropped, window, doc, doc_source, longest=min(longest, default=None),
+        masked_value=None if off_value is None else float(off_value),
+    )  # fmt: skip
 
 
 def _new_nodes_feeding(kv: fx.Node, stop: fx.Node) -> list[fx.Node]:
@@ -503,9 +459,20 @@ def _document_ids(g: fx.Graph, doc: fx.Node, batch: int, before: fx.Node) -> fx.
     return out
 
 
+def _exact_masked_rows(node: fx.Node, safe: bool) -> None:
+    """An SDPA call with an additive mask the passes do not read: ``masked_attention`` (the
+    same arguments), whose rows hidden from every key are what the model's softmax gives."""
+    mask = sdpa_args(node)["attn_mask"]
+    tv = tensor_val(mask) if isinstance(mask, fx.Node) else None
+    if tv is not None and tv.dtype.is_floating_point:
+        node.target = masked_attention
+        node.kwargs = {**node.kwargs, "safe_softmax": safe}
+
+
 def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
     """Replace SDPA calls whose explicit mask is causal (+ window, documents, key padding) by
-    ``causal_attention``; report what every mask was recognised as, or why not."""
+    ``causal_attention``, and those with another additive mask by ``masked_attention``; report
+    what every mask was recognised as, or why not."""
     from .graph_utils import node_module_fqn
 
     reports = []
@@ -514,14 +481,18 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
     doc_nodes: dict[fx.Node, fx.Node] = {}
     g = gm.graph
     for node in list(g.nodes):
-        if op_name(node) != "sdpa" or node.target is causal_attention:
+        if op_name(node) != "sdpa" or node.target in (causal_attention, masked_attention):
             continue
         a = sdpa_args(node)
         mask = a["attn_mask"]
         if not isinstance(mask, fx.Node) or a["is_causal"] or a["dropout_p"] not in (0, 0.0):
             continue
+        # eager softmax(scores + mask) @ v made SDPA: a row masked at every key follows eager
+        # code's softmax (NaN for -inf), not SDPA's safe one (0)
+        safe = node.meta.get("tspc_canonical") != "eager_attention"
         qs, ks = shape(a["query"]), shape(a["key"])
         if len(qs) != 4 or qs[2] != ks[2]:
+            _exact_masked_rows(node, safe)
             continue
         if mask not in cache:
             cache[mask] = classify(mask, qs[2], ks[2])
@@ -529,19 +500,21 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
         where = node_module_fqn(node)
         if isinstance(meaning, str):
             reports.append(MaskReport(node.name, where, False, meaning))
+            _exact_masked_rows(node, safe)
             continue
         key_valid = None
         if meaning.key_valid is not None:
             if meaning.key_valid not in key_nodes:
                 try:
                     with g.inserting_before(node):
-                        kv = _Emitter(g, qs[0], ks[2]).emit(meaning.key_valid)
+                        kv = KeyTermEmitter(g, qs[0], ks[2]).emit(meaning.key_valid)
                         if tensor_val(kv) is None:
                             set_fake_value(kv)
                         if tensor_val(kv).dtype != torch.bool:
                             kv = set_fake_value(g.call_method("bool", (kv,)))
                 except Opaque as err:
                     reports.append(MaskReport(node.name, where, False, f"key padding: {err}"))
+                    _exact_masked_rows(node, safe)
                     continue
                 # the key padding must stay whole: every rank attends to every key
                 kv.meta["tspc_keep_full"] = True
@@ -563,7 +536,12 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
         scale = a["scale"] if a["scale"] is not None else 1.0 / math.sqrt(qs[3])
         node.target = causal_attention
         node.args = (a["query"], a["key"], a["value"], key_valid, float(scale))
-        node.kwargs = {"window": meaning.window, "doc_ids": doc_ids}
+        node.kwargs = {
+            "window": meaning.window,
+            "doc_ids": doc_ids,
+            "masked_value": meaning.masked_value,
+            "safe_softmax": safe,
+        }
         if meaning.user_mask is not None:
             node.kwargs = {**node.kwargs, "dense_mask": meaning.user_mask}
         reports.append(

@@ -30,6 +30,7 @@ _ALIASES = {
     "scaled_dot_product_attention": "sdpa",
     "_scaled_dot_product_attention": "sdpa",
     "causal_attention": "sdpa",  # tspc.ops.zigzag_attention.causal_attention
+    "masked_attention": "sdpa",  # tspc.ops.masked_rows.masked_attention (SDPA's arguments)
 }
 
 

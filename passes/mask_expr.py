@@ -268,3 +268,52 @@ class MaskEvaluator:
             v = flat[0].item()
             return ("const", bool(v) if value.dtype == torch.bool else v)
         return ("tensor", node)
+
+
+# --------------------------------------------------------------------------- emitting key_valid
+# (classify_mask.py: the key padding term of a recognised mask, as a [B, S] tensor)
+
+
+class KeyTermEmitter:
+    """FX nodes computing a ``(b, k)`` expression as a ``[B, S]`` bool tensor."""
+
+    def __init__(self, g: fx.Graph, b: int, s: int):
+        self.g, self.b, self.s = g, b, s
+
+    def emit(self, e):
+        g = self.g
+        kind = e[0]
+        if kind == "const":
+            return g.call_function(torch.full, ((self.b, self.s), e[1]))
+        if kind == "leaf":
+            node, idx = e[1], e[2]
+            ns = shape(node)
+            if idx == (("idx", 0), ("idx", 3)) and ns == (self.b, self.s):
+                return node
+            if idx == (("const", 0), ("idx", 3)) and len(ns) == 2 and ns[1] == self.s:
+                return g.call_function(operator.getitem, (node, (slice(0, 1), slice(None))))
+            raise Opaque(f"key term indexes {node} as {idx}")
+        if kind == "bool":
+            x = self.emit(e[1])
+            return g.call_method("ne", (x, 0))
+        if kind == "op":
+            args = [self.emit(a) if a[0] != "const" else a[1] for a in e[2]]
+            fn = {
+                "and": torch.logical_and,
+                "or": torch.logical_or,
+                "not": torch.logical_not,
+                "eq": torch.eq,
+                "ne": torch.ne,
+                "le": torch.le,
+                "lt": torch.lt,
+                "ge": torch.ge,
+                "gt": torch.gt,
+                "add": torch.add,
+                "sub": torch.sub,
+                "mul": torch.mul,
+                "where": torch.where,
+            }.get(e[1])
+            if fn is None:
+                raise Opaque(f"op {e[1]}")
+            return g.call_function(fn, tuple(args))
+        raise Opaque(f"expression {kind}")

@@ -33,6 +33,7 @@ from .graph_utils import (
     shape,
     tensor_inputs,
 )
+from .held_whole import heads_fix
 from .projection import Linear, as_linear
 
 
@@ -44,6 +45,7 @@ class Skip:
     # the exception, when matching or rewriting the module raised (a tspc bug, warned about),
     # rather than a reason the module's form gives
     error: BaseException | None = None
+    fix: str = ""  # what the user can change to have it sharded (another D), if anything
 
 
 def failed(kind: str, module: str, stage: str, error: BaseException) -> Skip:
@@ -151,15 +153,22 @@ def sdpa_args(node: fx.Node) -> dict:
             "window": node.kwargs.get("window"),
             "doc_ids": node.kwargs.get("doc_ids"),
             "dense_mask": node.kwargs.get("dense_mask"),
+            "masked_value": node.kwargs.get("masked_value"),
+            "safe_softmax": node.kwargs.get("safe_softmax", True),
         }
     defaults = (None, None, None, None, 0.0, False, None, False)
     out = {name: arg(node, i, name, d) for i, (name, d) in enumerate(zip(SDPA_ARGS, defaults))}
     out["key_valid"] = out["window"] = out["doc_ids"] = out["dense_mask"] = None
+    out["masked_value"] = None
+    # masked_attention (SDPA's arguments): eager code's softmax for rows hidden from every key
+    out["safe_softmax"] = node.kwargs.get("safe_softmax", True)
     return out
 
 
 class _NoMatch(Exception):
-    pass
+    def __init__(self, reason: str, fix: str = ""):
+        super().__init__(reason)
+        self.fix = fix  # what the user can change (passes/held_whole.py), if anything
 
 
 def _param_linear(node: fx.Node, params) -> bool:
@@ -439,7 +448,7 @@ def match_attention(
             module = _guess_module(node, a, params)
             matches.append(_match_one(node, a, params, module, world))
         except _NoMatch as e:
-            skips.append(Skip("attention", module, str(e)))
+            skips.append(Skip("attention", module, str(e), fix=e.fix))
         except TSPConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - this attention alone is skipped and reported
@@ -492,9 +501,12 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
             "parallelism on a 2-D mesh for more devices)."
         )
     if hq % world:
-        raise _NoMatch(f"{hq} query heads are not divisible by D={world}")
+        raise _NoMatch(f"{hq} query heads are not divisible by D={world}", heads_fix(hq, hkv))
     if hkv % world and world % hkv:
-        raise _NoMatch(f"{hkv} key/value heads neither divide nor are divisible by D={world}")
+        raise _NoMatch(
+            f"{hkv} key/value heads neither divide nor are divisible by D={world}",
+            heads_fix(hq, hkv),
+        )
 
     q_lin, _ = _find_projection(q, params, "q")
     k_lin, _ = _find_projection(k_root, params, "k")

@@ -29,6 +29,7 @@ from tspc.runtime.errors import TSPConfigError
 from .analyse import GraphInfo
 from .elementwise import Nature, is_reshape, nature
 from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs, val
+from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .projection import _MATMULS, Linear, as_linear
 
@@ -331,8 +332,8 @@ def _match_at(
     if region.attention or not any(of_this_mlp(u) for u in region.leaves + region.beyond):
         return None  # no projection of this module into F behind it: not an MLP
 
-    def skip(reason: str) -> Skip:
-        return Skip("mlp", module, reason)
+    def skip(reason: str, fix: str = "") -> Skip:
+        return Skip("mlp", module, reason, fix=fix)
 
     up_names = "/".join(sorted({_name(u.proj, params) for u in region.leaves + region.beyond}))
     between = f"between {up_names} and {_name(down, params)}"
@@ -375,7 +376,10 @@ def _match_at(
             f"use a TSP group of at most {inter} ranks"
         )
     if inter % world:
-        return skip(f"intermediate size {inter} not divisible by D={world}")
+        return skip(
+            f"intermediate size {inter} not divisible by D={world}",
+            size_fix("intermediate size", inter),
+        )
     chain = sorted(region.chain)  # fx nodes order by their place in the graph
     reshapes = {n for n in chain if region.natures[n].kind == "reshape"}
     return MlpMatch(

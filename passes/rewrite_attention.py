@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tspc.ops.masked_rows import masked_attention
 from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.autograd_glue import sync_replicated_grad
 from tspc.runtime.group import TSPGroup
@@ -56,6 +57,7 @@ from .head_plan import (
     post_chain,
     region_between,
 )
+from .held_whole import kv_heads_fix
 from .layout import (
     reduced_dims,
 )
@@ -79,6 +81,8 @@ class AttentionRewrite:
     # the model's own KV head count where the schedule moves more (K/V expanded before the
     # head-local ops): what the paper's formula counts
     model_kv_heads: int = 0
+    # (reason, fix) when some of its weights are held whole for a reason the user can change
+    held_whole: tuple[str, str] | None = None
 
 
 def _find_gather(root: fx.Node) -> fx.Node | None:
@@ -158,12 +162,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     )
 
     # Attention arguments as the sequence pass left them.
-    key_valid = None
+    key_valid = exact_rows = None
     if attention.target is causal_attention:
         kind, mask, scale = "zigzag_causal", None, attention.args[4]
         key_valid = attention.args[3]
     elif attention.target is sdpa_local_queries:
         kind, mask, scale = "sdpa_masked_rows", attention.args[3], attention.args[5]
+        exact_rows = attention.args[7] if len(attention.args) > 7 else None  # masked_attention
     else:
         kind, mask, scale = "sdpa", arg(attention, 3, "attn_mask"), arg(attention, 6, "scale")
     if scale is None:
@@ -269,6 +274,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             "keeps its tokens' projections of all head groups between them"
         )
     if replicated_kv and D > 1:
+        params = info.params
+        names = ", ".join(sorted({params[p.weight].fqn for p in replicated_kv}))
+        ret.held_whole = (
+            f"its {m.kv_heads} key/value heads are fewer than D={D}, so its K/V projection "
+            f"weights ({names}) are held whole on every rank",
+            kv_heads_fix(m.kv_heads),
+        )
         ret.notes.append(
             f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
             "rank (replicated, not broadcast), so the layer receives "
@@ -377,19 +389,20 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 )
             elif kind == "sdpa_masked_rows":
                 att = g.call_function(
-                    sdpa_local_queries, (q_r, k_full, v_full, mask, 0.0, scale, gqa)
+                    sdpa_local_queries, (q_r, k_full, v_full, mask, 0.0, scale, gqa, exact_rows)
                 )
             else:
-                att = g.call_function(
-                    F.scaled_dot_product_attention,
-                    (q_r, k_full, v_full),
-                    {
-                        "attn_mask": mask,
-                        "is_causal": m.is_causal,
-                        "scale": scale,
-                        "enable_gqa": gqa,
-                    },
-                )
+                kw = {
+                    "attn_mask": mask,
+                    "is_causal": m.is_causal,
+                    "scale": scale,
+                    "enable_gqa": gqa,
+                }
+                sdpa = F.scaled_dot_product_attention
+                if attention.target is masked_attention:  # exact rows hidden from every key
+                    sdpa = masked_attention
+                    kw["safe_softmax"] = attention.kwargs.get("safe_softmax", True)
+                att = g.call_function(sdpa, (q_r, k_full, v_full), kw)
             att.meta["tspc_role"] = "attention"
             att.meta["tspc_step"] = r
             env[attention] = att

@@ -120,6 +120,7 @@ _HEAVY_FUNCTIONS = frozenset(
         "bmm",
         "scaled_dot_product_attention",
         "causal_attention",
+        "masked_attention",
         "sdpa_local_queries",
         "ring_mlp",
         "conv1d",

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tspc.ops.masked_rows import masked_attention
 from tspc.ops.zigzag_attention import causal_attention
 from tspc.runtime.compat import TORCH_C_NAMESPACES, OpOverload
 
@@ -110,7 +111,7 @@ FACTORIES = resolve(FACTORY_NAMES)
 ALONG_DIM = resolve(ALONG_DIM_NAMES)
 REDUCTIONS = resolve(REDUCTION_NAMES)
 NO_VALUE = resolve(NO_VALUE_NAMES)
-ATTENTION = resolve(["scaled_dot_product_attention"]) | {causal_attention}
+ATTENTION = resolve(["scaled_dot_product_attention"]) | {causal_attention, masked_attention}
 
 
 def op_key(node: fx.Node) -> object | None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch.fx as fx
 import torch.nn.functional as F
 
+from tspc.ops.masked_rows import masked_attention
 from tspc.ops.zigzag_attention import causal_attention, default_scale
 from tspc.runtime.seq_reductions import sharded_cross_entropy
 
@@ -25,8 +26,15 @@ if TYPE_CHECKING:
     from .seq_propagate import SequencePropagator
 
 
-def sdpa_local_queries(q, k, v, attn_mask, dropout_p, scale, enable_gqa):
-    """SDPA of local query rows against all keys (mask already cut to those rows)."""
+def sdpa_local_queries(q, k, v, attn_mask, dropout_p, scale, enable_gqa, safe_softmax=None):
+    """SDPA of local query rows against all keys (mask already cut to those rows).
+    ``safe_softmax`` not None: ``masked_attention`` (an additive mask whose rows hidden from
+    every key are exact; False: eager code's softmax)."""
+    if safe_softmax is not None:
+        return masked_attention(
+            q, k, v, attn_mask, dropout_p, scale=scale, enable_gqa=enable_gqa,
+            safe_softmax=safe_softmax,
+        )  # fmt: skip
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa
     )
@@ -55,6 +63,7 @@ def rule_sdpa(p: SequencePropagator, node):
             mask, sm = mask_new, None
         if sm is None and qd >= 0 and m_shape[qd] != 1:
             replace_input(node, mask, p.slice(mask, qd, sq))
+        exact_rows = a["safe_softmax"] if node.target is masked_attention else None
         node.target = sdpa_local_queries
         node.args = (
             arg(node, 0, "query"),
@@ -64,6 +73,7 @@ def rule_sdpa(p: SequencePropagator, node):
             a["dropout_p"],
             a["scale"],
             bool(a["enable_gqa"]),
+            exact_rows,
         )
         node.kwargs = {}
     elif a["is_causal"]:
@@ -94,6 +104,8 @@ def rule_sdpa(p: SequencePropagator, node):
             "window": a["window"],
             "doc_ids": doc_ids,
             "dense_mask": a["dense_mask"],  # an explicit mask input: whole, replicated
+            "masked_value": a["masked_value"],  # what a row that sees no key gives
+            "safe_softmax": a["safe_softmax"],
         }
     else:
         # No mask, not causal: every query sees every key; local queries need nothing else.

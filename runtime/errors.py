@@ -1,4 +1,5 @@
-"""Errors a user gets for configurations tspc cannot run (never a fallback, never a hang)."""
+"""Errors a user gets for configurations tspc cannot run (never a fallback, never a hang), and
+the warning for what runs but not as the user may believe."""
 
 
 class TSPConfigError(ValueError):
@@ -16,3 +17,10 @@ def describe_error(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     first = lines[0].strip() if lines else ""
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+class TSPHeldWholeWarning(UserWarning):
+    """A matched attention or MLP runs with (some of) its weights held whole on every rank —
+    memory not 1/D — for a reason the user can change (a D that does not fit its heads or its
+    intermediate size). Issued once per module per compile; the message names the module, the
+    reason and the D values that would shard it."""

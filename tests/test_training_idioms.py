@@ -212,12 +212,36 @@ def test_optimizer_clipping_accumulation_autocast_equal_one_process(world):
 KINDS = ["ref", "phi3"]
 
 
-def _third_step(model, logits, opt, ids) -> float:
+def _step(model, logits, opt, ids) -> float:
+    """One training step; its loss (computed before the step)."""
     loss = lm_loss(logits(model, ids), ids)
     loss.backward()
     opt.step()
     opt.zero_grad()
     return loss.item()
+
+
+def _third_step(model, logits, opt, ids) -> dict:
+    """The third step's loss, and the parameters the step leaves (full values, by name): the
+    loss is computed before the step, so only the parameters show the optimizer state it read
+    (Adam's moments and step count) — a resume that lost them fails here."""
+    from torch.distributed.tensor import DTensor
+
+    loss = _step(model, logits, opt, ids)
+    module = getattr(model, "_orig_mod", model)
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.named_parameters()
+    }
+    return {"loss3": loss, "params3": params}
+
+
+def _same_third_step(got: dict, want: dict, what) -> None:
+    assert abs(got["loss3"] - want["loss3"]) < 1e-5, (what, got["loss3"], want["loss3"])
+    assert got["params3"].keys() == want["params3"].keys(), what
+    for name, p in want["params3"].items():
+        err = (got["params3"][name] - p).abs().max().item()
+        assert err < 1e-6, (what, name, err)
 
 
 def save_worker(rank: int, world: int, root: str) -> dict:
@@ -238,7 +262,7 @@ def save_worker(rank: int, world: int, root: str) -> dict:
         compiled = torch.compile(model, backend="tsp")
         opt = adamw(compiled.parameters())
         for ids in data[:2]:
-            _third_step(compiled, logits, opt, ids)
+            _step(compiled, logits, opt, ids)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/{kind}")
         # a full, HF-loadable state dict: gathered one weight at a time onto rank 0's CPU
@@ -255,7 +279,7 @@ def save_worker(rank: int, world: int, root: str) -> dict:
             "full_keys": len(full),
             "peak_while_full": mt.peak_bytes,
             "model_bytes": full_bytes,
-            "loss3": _third_step(compiled, logits, opt, data[2]),
+            **_third_step(compiled, logits, opt, data[2]),
         }
     return out
 
@@ -284,7 +308,7 @@ def load_worker(rank: int, world: int, args: tuple[str, str, str]) -> dict:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=f"{root}/{kind}")
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        out[kind] = {"loss3": _third_step(compiled, logits, opt, data[2])}
+        out[kind] = _third_step(compiled, logits, opt, data[2])
     return out
 
 
@@ -304,7 +328,7 @@ def test_dcp_round_trip_2_to_4_to_2_eager_to_one_process_and_hf_export(tmp_path)
         ref, logits = build(kind)
         opt = adamw(ref.parameters())
         for ids in data[:2]:
-            _third_step(ref, logits, opt, ids)
+            _step(ref, logits, opt, ids)
         if kind == "phi3":
             with torch.no_grad():
                 exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -312,10 +336,8 @@ def test_dcp_round_trip_2_to_4_to_2_eager_to_one_process_and_hf_export(tmp_path)
                 got = logits(exported, data[2])
             assert (got - want).abs().max() < 1e-5
         want3 = _third_step(ref, logits, opt, data[2])
-        for r in saved:
-            assert abs(r[kind]["loss3"] - want3) < 1e-5, (kind, r[kind], want3)
-        for r in resumed:
-            assert abs(r[kind]["loss3"] - want3) < 1e-5, (kind, r[kind], want3)
+        for i, r in enumerate(saved + resumed):
+            _same_third_step(r[kind], want3, (kind, "saved" if i < len(saved) else "resumed", i))
         # only rank 0 receives the full state dict; the other rank never held a model copy
         # (measured by the CPU allocator: weights gathered one at a time, plus the Shard copies
         # of _StridedShard weights made for the state dict)

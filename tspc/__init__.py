@@ -15,7 +15,7 @@ from tspc.errors import (
 from tspc.generate import GenerateUnsupportedError, enable_generate
 from tspc.report import CompileReport, last_report
 from tspc.runtime.comm import CollectiveTimeout
-from tspc.runtime.errors import SequenceLengthError, TSPConfigError
+from tspc.runtime.errors import SequenceLengthError, TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.input_check import InputMismatchError
 from tspc.runtime.release import ReleasedParameterError, is_released
 from tspc.runtime.tsp_params import OptimizerParameterError
@@ -32,6 +32,7 @@ __all__ = [
     "PartitionerTagError",
     "SequenceLengthError",
     "TSPConfigError",
+    "TSPHeldWholeWarning",
     "ReleasedParameterError",
     "ReleasedWeightsNeededError",
     "TSPCompileError",

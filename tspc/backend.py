@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
-from tspc.runtime.errors import TSPConfigError
+from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
 from tspc.runtime.release import tspc_internal
@@ -132,6 +133,8 @@ def _compile_static(
             raise TSPCompileError(
                 "tspc (strict): these modules would not run the TSP schedules:\n" + lines
             )
+    for message in report.held_whole():  # not only in the report: memory is not 1/D
+        warnings.warn(message, TSPHeldWholeWarning, stacklevel=2)
     event = compiles.CompileEvent(graph_id, why[0], why[1], dynamo_compile_id)
     event.seconds["passes"] = time.perf_counter() - t0
     report.compile_reason = why[1]

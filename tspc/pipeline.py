@@ -215,7 +215,8 @@ def _match(ctx: PassContext) -> None:
             if ctx.opts.strict:
                 raise ModuleRewriteFailed(s.kind, s.module, "match", s.error) from s.error
             warn_module_skipped(ctx.report.graph_id, s.kind, s.module, s.error)
-        ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason))
+        details = {"fix": s.fix} if s.fix else {}
+        ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason, details))
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
 
 
@@ -260,9 +261,10 @@ def _rewrite_attention(ctx: PassContext) -> None:
             lambda m=m: rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards),
         )
         if isinstance(out, AttentionRewrite):
-            details = {
-                k: v for k, v in vars(out).items() if k not in ("module", "notes", "model_kv_heads")
-            }
+            skip = ("module", "notes", "model_kv_heads", "held_whole")
+            details = {k: v for k, v in vars(out).items() if k not in skip}
+            if out.held_whole is not None:  # some weights whole for a reason the user can change
+                details["held_whole"], details["fix"] = out.held_whole
             kv_heads = out.model_kv_heads or m.kv_heads  # the model's, for the formula
             details.update(q_heads=m.q_heads, kv_heads=kv_heads, head_dim=m.head_dim)
             report.entries.append(ModuleEntry("attention", m.module, "matched", "", details))

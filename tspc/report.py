@@ -62,6 +62,27 @@ class CompileReport:
     def skipped(self) -> list[ModuleEntry]:
         return [e for e in self.entries if e.status == "skipped"]
 
+    def held_whole(self) -> list[str]:
+        """One message per module whose weights are held whole on every rank for a reason the
+        user can change (another D): the module, the reason and the fix."""
+        out = []
+        for e in self.entries:
+            fix = e.details.get("fix")
+            if not fix:
+                continue
+            full = f"take their full size on each of the {self.world} ranks"
+            if e.details.get("held_whole"):  # matched, some of its weights whole
+                out.append(
+                    f"tspc: {e.kind} {e.module}: {e.details['held_whole']}: they, their "
+                    f"gradients and optimizer state {full}. {fix[0].upper()}{fix[1:]}."
+                )
+            else:
+                out.append(
+                    f"tspc: {e.kind} {e.module} is not sharded ({e.reason}): its weights, their "
+                    f"gradients and optimizer state {full}. To shard it, {fix}."
+                )
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["matched"] = [{"kind": e.kind, "module": e.module} for e in self.matched]

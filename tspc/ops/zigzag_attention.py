@@ -44,6 +44,14 @@ import torch
 from tspc.runtime.compat import dispatch_key_for_device
 
 from .attention_kernels import block_backward, block_forward
+from .masked_rows import (
+    HIDDEN,
+    fill_hidden_rows,
+    hidden_bias,
+    hidden_rows,
+    hidden_rows_backward,
+    hidden_rule,
+)
 
 # ----------------------------------------------------------------------------- the block plan
 
@@ -188,10 +196,15 @@ def _block_bias(blk: Block, st: _Structure, valid, dtype, device):
         bias = bias[None, None]
     elif blk.kind == "dense":
         m = st.dense[:, :, blk.q0 : blk.q1, blk.k0 : blk.k1]
-        if m.dtype == torch.bool:
-            bias = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, float("-inf"))
-        else:
-            bias = m.to(dtype)
+        hide = ~m if m.dtype == torch.bool else m <= HIDDEN
+        bias = (
+            torch.zeros(m.shape, dtype=dtype, device=device)
+            if m.dtype == torch.bool
+            else m.to(dtype)
+        )
+        # -inf where a key is hidden: a row hidden from every key is then one no block sees
+        # (a fused kernel's log-sum-exp cannot hold m + log L at m = finfo.min: masked_rows.py)
+        bias = bias.masked_fill(hide, float("-inf"))
     if valid is not None:
         v = valid[:, blk.k0 : blk.k1]
         pad = torch.zeros(v.shape, dtype=dtype, device=device).masked_fill(~v, float("-inf"))
@@ -249,19 +262,23 @@ def _plan(rank, world, n_queries, n_keys, window, doc_ids, batch, dense_mask=Non
     return out
 
 
-def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dense_mask=None):
+def _forward(
+    q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dense_mask=None,
+    masked_value=None, safe_softmax=True,
+):  # fmt: skip
     out_groups, lse_groups = [], []
     plan = _plan(rank, world, q.shape[2], k.shape[2], window, doc_ids, q.shape[0], dense_mask)
     for rows, st, chunks in plan:
         qg, kg, vg = q[rows], k[rows], v[rows]
         vg_valid = None if valid is None else valid[rows]
+        rule = hidden_rule(st.dense, masked_value, safe_softmax)
         outs, lses = [], []
         for r0, p0, n, tiles in chunks:
             tile_out, tile_lse = [], []
             for blocks in tiles:
                 a, b = blocks[0].q0, blocks[0].q1
                 qt = qg[:, :, r0 + a - p0 : r0 + b - p0]
-                parts = []
+                parts, seens = [], []
                 for blk in blocks:
                     bias = _block_bias(blk, st, vg_valid, q.dtype, q.device)
                     o, lse = block_forward(
@@ -269,6 +286,7 @@ def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dens
                         causal=blk.kind == "causal", bias=bias, scale=scale,
                     )  # fmt: skip
                     seen = _seen(bias, blk)
+                    seens.append(seen)
                     if seen is not None:
                         # a row that sees no key: CPU flash reports lse = 0, the efficient
                         # kernel may give NaN (0/0); what it saw is nothing: output 0, lse -inf
@@ -276,6 +294,10 @@ def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dens
                         o = o.masked_fill(~seen[..., None], 0.0)
                     parts.append((o, lse))
                 o, lse = _merge(parts, q.dtype)
+                hidden = hidden_rows(seens, qt.shape[0]) if rule is not None else None
+                if hidden is not None:  # rows that see no key, as the model's softmax has them
+                    bias = hidden_bias(rule, st.dense, a, b, k.shape[2])
+                    o = fill_hidden_rows(o, hidden, qt, kg, vg, bias, scale, safe_softmax)
                 tile_out.append(o)
                 tile_lse.append(lse)
             if tile_out:
@@ -298,7 +320,8 @@ def _forward(q, k, v, rank, world, scale, valid, window=None, doc_ids=None, dens
 # are those custom_op infers from annotations (an int is a SymInt: it may be symbolic).
 _ATTENTION_ARGS = (
     "SymInt rank, SymInt world, float scale, Tensor? key_valid=None, SymInt? window=None, "
-    "Tensor? doc_ids=None, Tensor? dense_mask=None"
+    "Tensor? doc_ids=None, Tensor? dense_mask=None, float? masked_value=None, "
+    "bool safe_softmax=True"
 )
 
 
@@ -308,29 +331,39 @@ _ATTENTION_ARGS = (
     schema=f"(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> (Tensor, Tensor)",
 )
 def zigzag_causal_attention(
-    q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None
-):
-    """Returns (output [B, Hq, S/D, d], log-sum-exp [B, Hq, S/D] in fp32)."""
-    out, lse = _forward(q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask)
+    q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None,
+    masked_value=None, safe_softmax=True,
+):  # fmt: skip
+    """Returns (output [B, Hq, S/D, d], log-sum-exp [B, Hq, S/D] in fp32). A row that sees no
+    key has log-sum-exp -inf; its output is 0, or — an additive mask (``masked_value``, or
+    ``dense_mask``'s float rows) — softmax over every key of its scores plus its mask, as the
+    model's own softmax gives it (``masked_rows.py``; ``safe_softmax``: SDPA's, a row that is
+    -inf at every key is 0; else eager code's, NaN)."""
+    out, lse = _forward(
+        q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask, masked_value,
+        safe_softmax,
+    )  # fmt: skip
     return out.contiguous(), lse.contiguous()
 
 
 @zigzag_causal_attention.register_fake
-def _(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None):
+def _(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None,
+      masked_value=None, safe_softmax=True):  # fmt: skip
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask = inputs
+    q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask, masked, safe = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, key_valid, doc_ids, dense_mask)
     ctx.rank, ctx.world, ctx.scale, ctx.window = rank, world, scale, window
+    ctx.masked_value, ctx.safe_softmax = masked, safe
     ctx.has = (key_valid is not None, doc_ids is not None, dense_mask is not None)
 
 
 def _attention_backward(
     grad_out, q, k, v, out, lse, rank, world, scale, valid, window=None, doc_ids=None,
-    dense_mask=None,
+    dense_mask=None, masked_value=None, safe_softmax=True,
 ):  # fmt: skip
     # Rows that see no key at all: output 0, no gradient. lse=+inf makes every weight 0.
     lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
@@ -341,6 +374,7 @@ def _attention_backward(
     for rows, st, chunks in plan:
         g_valid = None if valid is None else valid[rows]
         kg, vg, dkg, dvg = k[rows], v[rows], dk[rows], dv[rows]
+        rule = hidden_rule(st.dense, masked_value, safe_softmax)
         dq_chunks = []
         for r0, p0, n, tiles in chunks:
             dq_tiles = []
@@ -348,17 +382,23 @@ def _attention_backward(
                 a, b = blocks[0].q0, blocks[0].q1
                 t = slice(r0 + a - p0, r0 + b - p0)
                 go, qt, ot, lt = (x[rows][:, :, t] for x in (grad_out, q, out, lse_b))
-                dq_t = None
+                dq_t, seens = None, []
                 for blk in blocks:
+                    bias = _block_bias(blk, st, g_valid, q.dtype, q.device)
                     dq_b, dk_b, dv_b = block_backward(
                         go, qt, kg[:, :, blk.k0 : blk.k1], vg[:, :, blk.k0 : blk.k1], ot, lt,
-                        causal=blk.kind == "causal",
-                        bias=_block_bias(blk, st, g_valid, q.dtype, q.device),
-                        scale=scale,
+                        causal=blk.kind == "causal", bias=bias, scale=scale,
                     )  # fmt: skip
                     dq_t = dq_b if dq_t is None else dq_t + dq_b
                     dkg[:, :, blk.k0 : blk.k1] += dk_b
                     dvg[:, :, blk.k0 : blk.k1] += dv_b
+                    seens.append(_seen(bias, blk))
+                hidden = hidden_rows(seens, qt.shape[0]) if rule is not None else None
+                if hidden is not None:  # the rows the forward filled (no block saw them)
+                    bias = hidden_bias(rule, st.dense, a, b, k.shape[2])
+                    hidden_rows_backward(
+                        go, hidden, qt, kg, vg, bias, scale, safe_softmax, dq_t, dkg, dvg
+                    )
                 dq_tiles.append(dq_t)
             if not dq_tiles:  # a chunk of padding only
                 dq_tiles = [torch.zeros_like(q[rows][:, :, :0])]
@@ -392,17 +432,20 @@ def zigzag_causal_attention_backward(
     window=None,
     doc_ids=None,
     dense_mask=None,
+    masked_value=None,
+    safe_softmax=True,
 ):
     """Returns (dq, dk, dv) of ``zigzag_causal_attention`` given its output and lse."""
     dq, dk, dv = _attention_backward(
-        grad_out, q, k, v, out, lse, rank, world, scale, key_valid, window, doc_ids, dense_mask
-    )
+        grad_out, q, k, v, out, lse, rank, world, scale, key_valid, window, doc_ids, dense_mask,
+        masked_value, safe_softmax,
+    )  # fmt: skip
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @zigzag_causal_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, rank, world, scale, key_valid=None, window=None, doc_ids=None,
-      dense_mask=None):  # fmt: skip
+      dense_mask=None, masked_value=None, safe_softmax=True):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -411,9 +454,9 @@ def _backward(ctx, grad_out, grad_lse):
     valid, doc_ids, dense_mask = (t if has else None for t, has in zip(optional, ctx.has))
     dq, dk, dv = torch.ops.tspc.zigzag_causal_attention_backward(
         grad_out, q, k, v, out, lse, ctx.rank, ctx.world, ctx.scale, valid, ctx.window, doc_ids,
-        dense_mask,
+        dense_mask, ctx.masked_value, ctx.safe_softmax,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("tspc::zigzag_causal_attention", _backward, setup_context=_setup)
@@ -484,18 +527,33 @@ def causal_attention(
     window: int | None = None,
     doc_ids: torch.Tensor | None = None,
     dense_mask: torch.Tensor | None = None,
+    masked_value: float | None = None,
+    safe_softmax: bool = True,
 ) -> torch.Tensor:
     """Causal attention (plus optional key padding, sliding window and documents) in the form
     the passes emit: query q sees key k iff ``k <= q``, ``q - k < window``,
     ``doc_ids[b, q] == doc_ids[b, k]`` (documents are contiguous runs of equal ids) and
     ``key_valid[b, k]``. A batch row whose ``doc_ids`` are negative runs on its rows of
     ``dense_mask`` instead (an explicit mask that turned out not to be documents; exact).
+    ``masked_value``: the additive mask's value at a hidden key (None: a bool mask), which
+    decides what a row that sees no key gives (``zigzag_causal_attention``).
 
     With ``world == 1`` it is attention over the whole sequence; the sequence pass sets
     ``rank``/``world`` when the queries are this rank's zigzag chunks.
     """
     return zigzag_causal_attention(
-        q, k, v, rank, world, scale, key_valid, window, doc_ids, dense_mask
+        q,
+        k,
+        v,
+        rank,
+        world,
+        scale,
+        key_valid,
+        window,
+        doc_ids,
+        dense_mask,
+        masked_value,
+        safe_softmax,
     )[0]
 
 
@@ -507,7 +565,10 @@ _AUTOCAST_LIB = torch.library.Library("tspc", "IMPL")
 
 
 def _autocast_kernel(device_type: str):
-    def kernel(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense=None):
+    def kernel(
+        q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense=None,
+        masked_value=None, safe_softmax=True,
+    ):  # fmt: skip
         dtype = torch.get_autocast_dtype(device_type)
 
         def cast(t):
@@ -516,8 +577,9 @@ def _autocast_kernel(device_type: str):
 
         with torch.autocast(device_type, enabled=False):
             return torch.ops.tspc.zigzag_causal_attention(
-                cast(q), cast(k), cast(v), rank, world, scale, key_valid, window, doc_ids, dense
-            )
+                cast(q), cast(k), cast(v), rank, world, scale, key_valid, window, doc_ids, dense,
+                masked_value, safe_softmax,
+            )  # fmt: skip
 
     return kernel
 
