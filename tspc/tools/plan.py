@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also plot per-device memory vs sequence length for every scheme (analytic; "
         "needs matplotlib)",
     )  # fmt: skip
+    from tspc.tools.timemodel.cli import add_time_arguments
+
+    add_time_arguments(parser)
     return parser
 
 
@@ -219,7 +222,14 @@ def inputs_from_args(args: argparse.Namespace) -> tuple[ModelShape, PlanInputs]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`tspc plan ...`: print the table (or `--json`). Bad input exits 2 with the reason."""
+    """`tspc plan ...`: print the table (or `--json`). Bad input exits 2 with the reason.
+    `tspc plan --calibrate ...` and `tspc plan --crossover ...` are the time model's own
+    commands (:mod:`tspc.tools.timemodel.cli`): they need no model or cluster shape."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--calibrate" in argv or "--crossover" in argv:
+        from tspc.tools.timemodel.cli import standalone_main
+
+        return standalone_main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -237,16 +247,28 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure_ranks is not None and max(args.measure_ranks) >= inputs.devices:
             parser.error(f"--measure-ranks: ranks must be below D = {inputs.devices}")
         measured = _run_measure(args, model, inputs, quiet=args.json)
+    timed = None
+    if args.time:
+        from tspc.tools.timemodel.cli import run_time
+
+        try:
+            timed = run_time(args, model, inputs, quiet=args.json)
+        except ValueError as err:
+            parser.error(str(err))
     if args.json:
         out = to_json(plan)
         if measured is not None:
             out["measured"] = measured[1]
+        if timed is not None:
+            out["time"] = timed[1]
         json.dump(out, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         print(format_table(plan))
         if measured is not None:
             print(measured[0])
+        if timed is not None:
+            print(timed[0])
         if args.plot is not None:
             print(f"\nplot written to {args.plot}")
     return 0
