@@ -50,7 +50,8 @@ def collective_time(hw: Hardware, kind: str, nbytes: float, devices: int) -> flo
 
 def fit_link(kind: str, devices: int, points: list[tuple[float, float]]) -> Link:
     """The α and bandwidth that make :func:`alpha_beta_time` fit measured (bytes, seconds)
-    points of one collective at ``devices`` ranks (least squares on t = c0 + c1·n)."""
+    points of one collective at ``devices`` ranks (least squares on t = c0 + c1·n; when noise
+    gives no positive slope, the largest message's time is taken as all transfer)."""
     if devices < 2 or len(points) < 2:
         raise ValueError("fitting a link needs >= 2 ranks and >= 2 message sizes")
     xs = [n for n, _ in points]
@@ -58,8 +59,10 @@ def fit_link(kind: str, devices: int, points: list[tuple[float, float]]) -> Link
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+    if slope <= 0:  # noise swamped the size dependence: all of the largest one is transfer
+        big = max(points)
+        slope = big[1] / big[0]
     intercept = max(my - slope * mx, 0.0)
-    slope = max(slope, 1e-15)
     d = devices
     steps, per_byte = {
         "all_gather": (d - 1, (d - 1) / d),
