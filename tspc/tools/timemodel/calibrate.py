@@ -76,35 +76,49 @@ def compute_constants(dtype: str = "fp32", quick: bool = False) -> dict[str, Any
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "p2p")
 
 
+def _collective_ops(
+    x: torch.Tensor,
+    big: torch.Tensor,
+    part: torch.Tensor,
+    recv: torch.Tensor,
+    rank: int,
+    world: int,
+) -> dict[str, Callable[[], Any]]:
+    """One call of each collective on ``x`` (``big``: gathered, ``part``: scattered)."""
+    import torch.distributed as dist
+
+    def p2p() -> None:
+        ops = [
+            dist.P2POp(dist.isend, x, (rank + 1) % world),
+            dist.P2POp(dist.irecv, recv, (rank - 1) % world),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return {
+        "all_gather": lambda: dist.all_gather_into_tensor(big, x),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
+        "all_reduce": lambda: dist.all_reduce(x),
+        "broadcast": lambda: dist.broadcast(x, 0),
+        "reduce": lambda: dist.reduce(x, 0),
+        "p2p": p2p,
+    }
+
+
 def _collective_worker(rank: int, world: int, port: int, quick: bool, queue: Any) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    sizes = (2**12, 2**16, 2**20) if quick else (2**12, 2**15, 2**18, 2**20, 2**22)
+    sizes = (2**14, 2**18, 2**22) if quick else (2**12, 2**16, 2**20, 2**22, 2**24)
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in COLLECTIVES}
     for nbytes in sizes:
         n = nbytes // 4
         x = torch.randn(n)
         big = torch.empty(n * world)
         part = torch.empty(n // world)
-        ops: dict[str, Callable[[], Any]] = {
-            "all_gather": lambda: dist.all_gather_into_tensor(big, x),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
-            "all_reduce": lambda: dist.all_reduce(x),
-            "broadcast": lambda: dist.broadcast(x, 0),
-            "reduce": lambda: dist.reduce(x, 0),
-            "p2p": lambda: [
-                w.wait()
-                for w in dist.batch_isend_irecv(
-                    [
-                        dist.P2POp(dist.isend, x, (rank + 1) % world),
-                        dist.P2POp(dist.irecv, part.new_empty(n), (rank - 1) % world),
-                    ]
-                )
-            ],
-        }
+        ops = _collective_ops(x, big, part, x.new_empty(n), rank, world)
         payload = {"all_gather": nbytes * world}
         for kind, fn in ops.items():
             dist.barrier()
