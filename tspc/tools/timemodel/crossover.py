@@ -20,7 +20,7 @@ from tspc.tools.timemodel.predict import predict
 SEQS = (4 * 1024, 16 * 1024, 64 * 1024)
 HIDDEN = (2048, 4096)
 DEVICES = (4, 8)
-QUICK = ((2048, 8192), (1024,), (4,))
+QUICK = ((2048, 4096, 16384, 65536), (1024,), (4,))
 
 
 @dataclass

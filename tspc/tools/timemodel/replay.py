@@ -4,7 +4,7 @@ Roofline: a compute op takes ``max(FLOPs / rate, bytes / bandwidth) + overhead``
 is the peak FLOP/s for its dtype times its class's efficiency (GEMM, attention) or a measured
 GEMM curve, and the bandwidth the memory bandwidth times its efficiency or a measured curve.
 Views move nothing: they cost ``view_overhead`` (0 on the GPU presets; a CPU's dispatch time
-when calibrated). This is the roofline of ``torch.distributed._tools.runtime_estimator``
+when calibrated); metadata queries (ops that return no tensor) cost nothing. This is the roofline of ``torch.distributed._tools.runtime_estimator``
 (``_roofline_estimate``: max of compute time from the FLOP counter and transfer time from the
 bytes of inputs and outputs), with a per-class efficiency instead of its fixed factors.
 
@@ -36,6 +36,8 @@ from tspc.tools.timemodel.trace import Op
 
 def compute_time(hw: Hardware, op: Op) -> float:
     """Roofline seconds of one compute op on ``hw``."""
+    if op.cls == "meta":
+        return 0.0
     if op.cls == "view":
         return hw.view_overhead
     if op.cls == "gemm" and op.dtype in hw.gemm_curve:

@@ -31,7 +31,7 @@ class Op:
 
     name: str
     kind: str
-    cls: str = "memory"  # gemm, attention, memory, view (compute ops)
+    cls: str = "memory"  # gemm, attention, memory, view, meta (compute ops)
     flops: float = 0.0
     nbytes: float = 0.0  # bytes read and written (compute) or the payload (collectives)
     dtype: str = "fp32"
@@ -162,6 +162,9 @@ class OpRecorder(TorchDispatchMode):
                 Op(name, "sync", nbytes=_nbytes(ins[:1]), dtype=dtype, collective=kind,
                    devices=self.devices)
             )  # fmt: skip
+            return
+        if not outs:  # metadata queries (prim::device, sizes): no kernel, no data
+            self.ops.append(Op(name, "compute", cls="meta", dtype=dtype))
             return
         if getattr(func, "is_view", False) or name in NO_DATA:
             self.ops.append(Op(name, "compute", cls="view", dtype=dtype))
