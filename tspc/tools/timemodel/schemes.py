@@ -111,10 +111,11 @@ def trace_step(
             model = step = LossModel(base)
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
-        if scheme == "tsp":
-            step(ids, targets).backward()  # compiles (not recorded)
-            for p in model.parameters():
-                p.grad = None
+        # One step first, not recorded: TSP compiles; DTensor fills its sharding-propagation
+        # cache, whose first look at an op runs it on fake tensors (the recorder would count it)
+        step(ids, targets).backward()
+        for p in model.parameters():
+            p.grad = None
         recorder = OpRecorder(devices)
         with recorder:
             step(ids, targets).backward()
