@@ -166,3 +166,25 @@ def test_tsp_trace_gemm_flops_are_one_process_over_d() -> None:
     assert 2 * gemm == pytest.approx(_one_process_gemm_flops(1, 64), rel=1e-6)
     kinds = {op.collective for op in ops if op.kind == "start"}
     assert {"broadcast", "all_gather", "p2p", "reduce", "reduce_scatter"} <= kinds
+
+
+def test_plan_time_cli_on_a_tiny_config(tmp_path, capsys) -> None:
+    from tspc.tools.plan import main
+
+    config = {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 128,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["--config", str(path), "--devices", "2", "--seq", "128", "--dtype", "fp32"]
+    main([*argv, "--time", "--time-schemes", "tp_sp,tp", "--time-recompute", "none",
+          "--hardware", "h100", "--json"])  # fmt: skip
+    out = json.loads(capsys.readouterr().out)["time"]
+    assert out["hardware"] == "h100"
+    assert [r["scheme"] for r in out["results"]] == ["tp_sp", "tp"]
+    for r in out["results"]:
+        assert r["step_s"] >= r["compute_s"] > 0 and 0 < r["mfu"] < 1
+    with pytest.raises(SystemExit):  # a scheme name that does not exist: a clear usage error
+        main([*argv, "--time", "--time-schemes", "tsp,megatron"])
+    assert "megatron" in capsys.readouterr().err
