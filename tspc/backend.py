@@ -357,7 +357,7 @@ class _CompiledTSPGraph:
                     tp = prepare(flat[i], g.name, g.size)
                     flat[i] = graph_input(tp)
                     tps.append(tp)
-            if g.dp_size > 1:
+            if g.dp_size > 1 and g.dp_mode == "replicate":
                 dp_params = [tp.dparam for tp in tps] or [flat[i] for i in self.params]
                 average_grads_over(dp_params, g.dp_name, g.dp_size)
             with comm.timeout_scope(self.comm_timeout):
@@ -555,7 +555,7 @@ def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
 def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
     _refuse_presharded(list(example_inputs), gm)
-    group = resolve_group(opts.group, opts.mesh_dim)
+    group = resolve_group(opts.group, opts.mesh_dim, opts.data_parallel)
     dynamo_id = compiles.dynamo_compile_id()
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
     graph_id = None

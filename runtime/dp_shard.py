@@ -1,0 +1,162 @@
+"""Fully sharded data parallelism on a 2-D (dp, tsp) mesh: ``options={"data_parallel": "fsdp"}``.
+
+With ``data_parallel="fsdp"`` every parameter tspc adopts is a DTensor on the user's 2-D mesh
+instead of the TSP axis alone, so parameters, gradients and optimizer state are split over the
+data-parallel axis as well as over the TSP axis (as FSDP2 holds the parameters of FSDP + TP):
+
+* a weight tspc shards over the TSP axis (placement ``P`` there) is also cut into dp equal
+  parts along another dim: ``(Shard(d), P)``, d the first dim other than ``P``'s that dp
+  divides (``Shard(1)`` for a row-sharded ``[out, in]`` weight). Another dim, so that no
+  ``_StridedShard`` over dp is needed and DCP sees plain boxes;
+* a parameter the TSP axis holds whole (norms, embeddings, the LM head) is cut over all
+  dp x D ranks of the mesh: ``(Shard(d), Shard(d))``, d the first dim dp x D divides; failing
+  that over dp alone ``(Shard(d), Replicate())``; failing that it stays whole on every rank
+  ``(Replicate(), Replicate())`` and its gradient is averaged over dp.
+
+The compiled graphs read the TSP-local tensor (what the 1-D mode keeps): at each call
+``tsp_local`` all-gathers it from the dp parts, through an autograd function whose backward
+reduce-scatters the gradient and divides by dp (the mean over the global batch, as DDP and
+FSDP do; each dp rank's loss is the mean over its own batch). For a parameter cut over the whole
+mesh the graph's gradient is already summed over the TSP axis, so every TSP rank holds the same
+sum and the reduce-scatter over dp x D ranks is divided by dp x D.
+
+Every dp rank runs the same graphs with the same parameters in the same order, so the gathers
+(forward) and reduce-scatters (backward, in the autograd engine's deterministic order) pair up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+
+from .group import dp_sharding_of, process_group
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """How one parameter's TSP-local tensor is cut over the mesh: along ``dim`` over the
+    group ``group`` of ``size`` ranks (dp, or the whole mesh), or not at all (``dim`` None:
+    only the gradient is averaged over dp)."""
+
+    dim: int | None
+    group: str
+    size: int
+    grad_divisor: int
+
+
+# The spread of a 2-D parameter, an attribute of the parameter (its placements say it too,
+# but this keeps the per-call path free of placement arithmetic; a weak reference to a DTensor
+# parameter would make ``model.to()`` fail, see data_parallel.py).
+_ATTR = "_tspc_dp_spread"
+
+
+def _spread_of(dparam: torch.Tensor) -> _Spread | None:
+    return getattr(dparam, _ATTR, None)
+
+
+def is_dp_sharded(dparam: torch.Tensor) -> bool:
+    return _spread_of(dparam) is not None
+
+
+def make_dparam(
+    tsp_local: torch.Tensor,
+    tsp_placement,
+    group: str,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    requires_grad: bool,
+) -> nn.Parameter | None:
+    """The 2-D DTensor parameter whose TSP-local tensor is ``tsp_local`` (placement
+    ``tsp_placement`` on the TSP axis), or None when the TSP group ``group`` has no fsdp mesh."""
+    sh = dp_sharding_of(group)
+    if sh is None:
+        return None
+    mesh: DeviceMesh = sh.mesh
+    whole_on_tsp = isinstance(tsp_placement, Replicate)
+    tsp_dim = getattr(tsp_placement, "dim", None)
+    spread = None
+    if whole_on_tsp and sh.flat_group:
+        spread = _pick(tsp_local, None, sh.flat_group, sh.flat_size, sh.flat_size)
+    if spread is None:
+        spread = _pick(tsp_local, tsp_dim, sh.dp_group, sh.dp_size, sh.dp_size)
+    if spread is None:
+        spread = _Spread(None, sh.dp_group, sh.dp_size, sh.dp_size)
+        dp_pl, tsp_pl, mine = Replicate(), tsp_placement, tsp_local
+    else:
+        rank = dist.get_rank(process_group(spread.group))
+        mine = tsp_local.chunk(spread.size, spread.dim)[rank]
+        dp_pl = Shard(spread.dim)
+        tsp_pl = Shard(spread.dim) if spread.size != sh.dp_size else tsp_placement
+    placements = [dp_pl, tsp_pl] if sh.dp_dim == 0 else [tsp_pl, dp_pl]
+    with torch.no_grad():
+        dt = DTensor.from_local(
+            mine.detach().clone(), mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+    param = nn.Parameter(dt, requires_grad=requires_grad)
+    setattr(param, _ATTR, spread)
+    return param
+
+
+def _pick(t: torch.Tensor, avoid: int | None, group: str, size: int, divisor: int):
+    for d in range(t.dim()):
+        if d != avoid and t.shape[d] >= size and t.shape[d] % size == 0:
+            return _Spread(d, group, size, divisor)
+    return None
+
+
+def tsp_local(dparam: torch.Tensor) -> torch.Tensor:
+    """The TSP-local tensor of a parameter (differentiable): ``to_local()`` of a 1-D one; of
+    a 2-D one the gather of its parts, whose gradient is reduce-scattered and averaged."""
+    local = dparam.to_local()
+    spread = _spread_of(dparam)
+    if spread is None:
+        return local
+    if spread.dim is None:
+        if not (torch.is_grad_enabled() and local.requires_grad):
+            return local
+        return _AverageGrad.apply(local, spread)
+    return _GatherParts.apply(local, spread)
+
+
+def dp_part(tsp_local_value: torch.Tensor, dparam: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a TSP-local value (a loaded checkpoint's) for a 2-D ``dparam``."""
+    spread = _spread_of(dparam)
+    if spread is None or spread.dim is None:
+        return tsp_local_value
+    rank = dist.get_rank(process_group(spread.group))
+    return tsp_local_value.chunk(spread.size, spread.dim)[rank]
+
+
+class _GatherParts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spread: _Spread) -> torch.Tensor:
+        ctx.spread = spread
+        moved = local.movedim(spread.dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * spread.size, *moved.shape[1:]))
+        dist.all_gather_single(out, moved, group=process_group(spread.group))
+        return out.movedim(0, spread.dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spread = ctx.spread
+        moved = grad.movedim(spread.dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // spread.size, *moved.shape[1:]))
+        dist.reduce_scatter_single(out, moved, group=process_group(spread.group))
+        return out.div_(spread.grad_divisor).movedim(0, spread.dim), None
+
+
+class _AverageGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spread: _Spread) -> torch.Tensor:
+        ctx.spread = spread
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=process_group(ctx.spread.group))
+        return grad.div_(ctx.spread.grad_divisor), None
