@@ -54,7 +54,9 @@ def fsdp_mesh_model(options: dict | None = None):
     return mesh, model, torch.compile(model, backend="tsp", options=opts)
 
 
-def train_worker(rank: int, world: int) -> dict:
+def train_worker(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
     from samples.reference_model import build_reference_model
@@ -65,7 +67,10 @@ def train_worker(rank: int, world: int) -> dict:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
     opt = torch.optim.AdamW(run.parameters(), lr=1e-3, eps=1e-4)  # before the first call
     out = {"loss_err": 0.0, "grad_err": 0.0, "norm_err": 0.0}
-    for ids in global_batches(3):
+    for step, ids in enumerate(global_batches(3)):
+        if step == 2:  # a checkpoint of the (2, 2) run, resumed at (1, 4) and in one process
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
         mine = ids[2 * dp_rank : 2 * dp_rank + 2]
         ref_loss = lm_loss(ref(ids), ids)
         ref_loss.backward()
@@ -93,24 +98,72 @@ def train_worker(rank: int, world: int) -> dict:
         for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
     )
     out["placements"] = {
-        n: (p.device_mesh.mesh_dim_names, [str(x) for x in p.placements])
+        n: (p.device_mesh.mesh_dim_names, [type(x).__name__ for x in p.placements])
         for n, p in model.named_parameters()
     }
     out["opt_bytes"], out["ref_opt_bytes"] = state_bytes(opt), state_bytes(opt_ref)
+    torch.distributed.barrier()
+    # the same 4 ranks as one TSP axis of D = 4 (no data parallelism) resume the checkpoint
+    torch._dynamo.reset()
+    resumed = resume(root, world)
+    out["resumed_err"] = max(
+        (resumed[n] - q).abs().max().item() for n, q in ref.named_parameters()
+    )
     return out
 
 
+def resume(root: str, world: int) -> dict[str, torch.Tensor]:
+    """Load the checkpoint saved before the third step into a model with other weights (plain
+    full tensors, before the first call: on 4 ranks the first call shards them), run the third
+    step on the whole batch; the full parameters it leaves."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from samples.reference_model import build_reference_model
+
+    model = build_reference_model(seed=1, num_layers=2)
+    run = torch.compile(model, backend="tsp") if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=root)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    ids = global_batches(3)[2]
+    lm_loss(run(ids), ids).backward()
+    torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
+    opt.step()
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for n, p in model.named_parameters()
+    }
+
+
 @pytest.mark.slow
-def test_fsdp_2d_trains_like_one_process():
-    results = spawn(train_worker, 4, timeout=600)
+def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
+    from samples.reference_model import build_reference_model
+
+    results = spawn(train_worker, 4, str(tmp_path), timeout=600)
+    # the uninterrupted run in one process, and the checkpoint resumed in one plain process
+    ref = build_reference_model(seed=0, num_layers=2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
+    for ids in global_batches(3):
+        lm_loss(ref(ids), ids).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    one = resume(str(tmp_path), 1)
+    assert max((one[n] - q).abs().max().item() for n, q in ref.named_parameters()) < 1e-6
     for r in results:
+        assert r["resumed_err"] < 1e-6, r["resumed_err"]
         assert r["loss_err"] < 1e-5, r
         assert r["grad_err"] < 1e-4, r
         assert r["norm_err"] < 1e-5, r
         assert r["param_err"] < 1e-5, r
         for name, (dims, placements) in r["placements"].items():
             assert dims == ("dp", "tsp"), name
-            assert placements[0].startswith("Shard"), (name, placements)
+            assert placements[0] == "Shard", (name, placements)  # split over dp
         # optimizer state: 1/(dp x D) of one process's, within 10%
         ratio = r["opt_bytes"] * 4 / r["ref_opt_bytes"]
+        print(f"optimizer state bytes per rank {r['opt_bytes']}, one process {r['ref_opt_bytes']}")
         assert 0.9 < ratio < 1.1, (ratio, r["opt_bytes"], r["ref_opt_bytes"])
