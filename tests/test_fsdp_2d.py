@@ -106,9 +106,7 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     # the same 4 ranks as one TSP axis of D = 4 (no data parallelism) resume the checkpoint
     torch._dynamo.reset()
     resumed = resume(root, world)
-    out["resumed_err"] = max(
-        (resumed[n] - q).abs().max().item() for n, q in ref.named_parameters()
-    )
+    out["resumed_err"] = max((resumed[n] - q).abs().max().item() for n, q in ref.named_parameters())
     return out
 
 
@@ -167,3 +165,47 @@ def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
         ratio = r["opt_bytes"] * 4 / r["ref_opt_bytes"]
         print(f"optimizer state bytes per rank {r['opt_bytes']}, one process {r['ref_opt_bytes']}")
         assert 0.9 < ratio < 1.1, (ratio, r["opt_bytes"], r["ref_opt_bytes"])
+
+
+def launch_two_nodes(out: str, timeout: float = 600) -> None:
+    """Two torchrun launchers on this machine (loopback) standing for two nodes of 2 processes:
+    the c10d rendezvous numbers the nodes; TSP runs inside each, fsdp across them."""
+    import os
+    import subprocess
+    import sys
+
+    from tspc.launch import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "--rdzv-id", "tspc-two-nodes", "samples/train_fsdp_2d.py", "--out", out,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(nodes, logs):
+        assert p.returncode == 0, log[-4000:]
+
+
+@pytest.mark.slow
+def test_two_node_torchrun_equals_one_process(tmp_path):
+    from samples.train_fsdp_2d import train_one_process
+
+    out = str(tmp_path / "result.pt")
+    launch_two_nodes(out)
+    got = torch.load(out)
+    losses, state = train_one_process(3)
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (got["losses"], losses)
+    assert got["state"].keys() == state.keys()
+    for k, v in state.items():
+        assert (got["state"][k] - v).abs().max().item() < 1e-5, k
