@@ -109,6 +109,8 @@ def resolve_group(
             dp_size = dist.get_world_size(dp)
             if data_parallel == "fsdp":
                 _register_fsdp(base.name, mesh, 1 - tsp_index, dp)
+            else:  # parameters adopted from now on stay on the TSP axis alone
+                _DP_SHARDING.pop(base.name, None)
             return TSPGroup(base.name, base.rank, base.size, dp.group_name, dp_size, data_parallel)
     elif mesh_dim is not None:
         raise GroupResolutionError("'mesh_dim' is only meaningful when 'group' is a DeviceMesh")

@@ -209,3 +209,13 @@ def test_two_node_torchrun_equals_one_process(tmp_path):
     assert got["state"].keys() == state.keys()
     for k, v in state.items():
         assert (got["state"][k] - v).abs().max().item() < 1e-5, k
+
+
+def test_fsdp_needs_a_2d_mesh():
+    from tspc.options import OptionError, TSPOptions
+    from tspc.runtime.group import GroupResolutionError, resolve_group
+
+    with pytest.raises(GroupResolutionError, match=r"needs a 2-D DeviceMesh \(dp, tsp\)"):
+        resolve_group(None, None, "fsdp")
+    with pytest.raises(OptionError, match=r"data_parallel='hsdp' is not one of"):
+        TSPOptions.from_dict({"data_parallel": "hsdp"})
