@@ -219,3 +219,28 @@ def test_fsdp_needs_a_2d_mesh():
         resolve_group(None, None, "fsdp")
     with pytest.raises(OptionError, match=r"data_parallel='hsdp' is not one of"):
         TSPOptions.from_dict({"data_parallel": "hsdp"})
+
+
+def test_plan_dp_per_rank_memory(capsys):
+    """`tspc plan --dp N --data-parallel ...`: the replicate row is the plan's own TSP(D) row;
+    fsdp splits the model's whole state over dp x D ranks and adds the gathered weights."""
+    import json
+
+    from tspc.tools.plan import PRESETS, PlanInputs, main, make_plan
+
+    assert main(["--preset", "7b", "-D", "8", "--seq", "16K", "--dp", "4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["data_parallel"]
+    assert got["dp"] == 4 and got["chosen"] == "replicate"
+    model = PRESETS["7b"]
+    tsp = make_plan(model, PlanInputs(devices=8, seq_len=16384)).scheme("TSP(D=8)").memory
+    rep, fsdp = got["per_rank_bytes"]["replicate"], got["per_rank_bytes"]["fsdp"]
+    assert rep["model_state"] == tsp.model_state and abs(rep["total"] - tsp.total) < 1
+    assert abs(fsdp["model_state"] * 4 * 8 - 16 * model.total_params) < 1
+    # gathered: the TSP-local weights and their gradients in bf16 (2 bytes each)
+    assert abs(fsdp["gathered"] - 2 * 2 * tsp.model_state / 16) < 1
+    assert fsdp["rest"] == rep["rest"] and fsdp["total"] < rep["total"]
+    assert main(["--preset", "7b", "-D", "8", "--seq", "16K", "--dp", "4", "--data-parallel",
+                 "fsdp"]) == 0  # fmt: skip
+    assert (
+        "dp = 4 replicas of TSP(D=8) = 32 ranks (--data-parallel fsdp)" in capsys.readouterr().out
+    )

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tspc.tools import plan_dp
+
 GB = 1e9
 MB = 1e6
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -931,6 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also plot per-device memory vs sequence length for every scheme (analytic; "
         "needs matplotlib)",
     )  # fmt: skip
+    plan_dp.add_arguments(parser)
     return parser
 
 
@@ -991,14 +994,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure_ranks is not None and max(args.measure_ranks) >= inputs.devices:
             parser.error(f"--measure-ranks: ranks must be below D = {inputs.devices}")
         measured = _run_measure(args, model, inputs, quiet=args.json)
+    tsp = plan.scheme(f"TSP(D={inputs.devices})").memory
+    full_state = inputs.kappa * model.total_params
+    axis = plan_dp.TSPAxis(
+        tsp.model_state, tsp.total, full_state, inputs.kappa, inputs.act_bytes, inputs.devices
+    )
+    dp_rows = plan_dp.dp_rows(axis, args.dp)
     if args.json:
         out = to_json(plan)
+        out["data_parallel"] = plan_dp.dp_json(dp_rows, args.dp, args.data_parallel)
         if measured is not None:
             out["measured"] = measured[1]
         json.dump(out, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         print(format_table(plan))
+        if args.dp > 1:
+            print(plan_dp.format_dp(dp_rows, inputs.devices, args.dp, args.data_parallel))
         if measured is not None:
             print(measured[0])
         if args.plot is not None:
