@@ -26,14 +26,15 @@ Every dp rank runs the same graphs with the same parameters in the same order, s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from .group import dp_sharding_of, process_group
+from .dp_mesh import dp_sharding_of
+from .group import process_group
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class _Spread:
     group: str
     size: int
     grad_divisor: int
+    rep_group: str = ""  # hsdp: the replicate dim, over which gradients are also averaged
+    rep_size: int = 1
 
 
 # The spread of a 2-D parameter, an attribute of the parameter (its placements say it too,
@@ -80,9 +83,9 @@ def make_dparam(
     tsp_dim = getattr(tsp_placement, "dim", None)
     spread = None
     if whole_on_tsp and sh.flat_group:
-        spread = _pick(tsp_local, None, sh.flat_group, sh.flat_size, sh.flat_size)
+        spread = _pick(tsp_local, None, sh.flat_group, sh.flat_size)
     if spread is None:
-        spread = _pick(tsp_local, tsp_dim, sh.dp_group, sh.dp_size, sh.dp_size)
+        spread = _pick(tsp_local, tsp_dim, sh.dp_group, sh.dp_size)
     if spread is None:
         spread = _Spread(None, sh.dp_group, sh.dp_size, sh.dp_size)
         dp_pl, tsp_pl, mine = Replicate(), tsp_placement, tsp_local
@@ -90,8 +93,10 @@ def make_dparam(
         rank = dist.get_rank(process_group(spread.group))
         mine = tsp_local.chunk(spread.size, spread.dim)[rank]
         dp_pl = Shard(spread.dim)
-        tsp_pl = Shard(spread.dim) if spread.size != sh.dp_size else tsp_placement
-    placements = [dp_pl, tsp_pl] if sh.dp_dim == 0 else [tsp_pl, dp_pl]
+        tsp_pl = Shard(spread.dim) if spread.group == sh.flat_group else tsp_placement
+    spread = replace(spread, rep_group=sh.rep_group, rep_size=sh.rep_size)
+    placements = [Replicate()] * mesh.ndim  # hsdp's replicate dim stays Replicate
+    placements[sh.dp_dim], placements[sh.tsp_dim] = dp_pl, tsp_pl
     with torch.no_grad():
         dt = DTensor.from_local(
             mine.detach().clone(), mesh, placements, run_check=False, shape=shape, stride=stride
@@ -101,10 +106,10 @@ def make_dparam(
     return param
 
 
-def _pick(t: torch.Tensor, avoid: int | None, group: str, size: int, divisor: int):
+def _pick(t: torch.Tensor, avoid: int | None, group: str, size: int) -> _Spread | None:
     for d in range(t.dim()):
         if d != avoid and t.shape[d] >= size and t.shape[d] % size == 0:
-            return _Spread(d, group, size, divisor)
+            return _Spread(d, group, size, size)
     return None
 
 
@@ -146,7 +151,7 @@ class _GatherParts(torch.autograd.Function):
         moved = grad.movedim(spread.dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // spread.size, *moved.shape[1:]))
         dist.reduce_scatter_single(out, moved, group=process_group(spread.group))
-        return out.div_(spread.grad_divisor).movedim(0, spread.dim), None
+        return _over_replicas(out, spread).movedim(0, spread.dim), None
 
 
 class _AverageGrad(torch.autograd.Function):
@@ -159,4 +164,11 @@ class _AverageGrad(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=process_group(ctx.spread.group))
-        return grad.div_(ctx.spread.grad_divisor), None
+        return _over_replicas(grad, ctx.spread), None
+
+
+def _over_replicas(grad: torch.Tensor, spread: _Spread) -> torch.Tensor:
+    """The summed gradient of this rank's part, averaged (hsdp: over the replicas as well)."""
+    if spread.rep_size > 1:
+        dist.all_reduce(grad, group=process_group(spread.rep_group))
+    return grad.div_(spread.grad_divisor * spread.rep_size)

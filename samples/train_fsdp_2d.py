@@ -20,17 +20,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from samples.reference_model import build_reference_model  # noqa: E402
+from samples.train_tsp import train_step  # noqa: E402 - the ordinary step: backward, clip, step
 
 SEQ, BATCH, VOCAB = 16, 4, 256
-
-
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
 def global_batches(steps: int) -> list[torch.Tensor]:
@@ -38,20 +34,11 @@ def global_batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(steps)]
 
 
-def train_step(model, opt: torch.optim.Optimizer, ids: torch.Tensor) -> torch.Tensor:
-    loss = lm_loss(model(ids), ids)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad()
-    return loss.detach()
-
-
 def train_one_process(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same training, one process, no tspc: the whole global batch each step."""
     model = build_reference_model(seed=0, num_layers=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
-    losses = [train_step(model, opt, ids).item() for ids in global_batches(steps)]
+    losses = [train_step(model, opt, ids) for ids in global_batches(steps)]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -81,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = mesh.get_local_rank("dp")
     losses = []
     for ids in global_batches(args.steps):
-        loss = train_step(run, opt, ids.chunk(nodes)[dp_rank].to(device))
+        loss = torch.tensor(train_step(run, opt, ids.chunk(nodes)[dp_rank].to(device)))
         dist.all_reduce(loss, group=mesh.get_group("dp"))  # the mean over the global batch
         losses.append(loss.item() / nodes)
     state = tspc.state_dict(run)  # a collective: full tensors on every rank

@@ -107,7 +107,38 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     torch._dynamo.reset()
     resumed = resume(root, world)
     out["resumed_err"] = max((resumed[n] - q).abs().max().item() for n, q in ref.named_parameters())
+    torch._dynamo.reset()
+    out["hsdp"] = hsdp_run(ref)
     return out
+
+
+def hsdp_run(ref) -> dict:
+    """HSDP on a (replicate, shard, tsp) = (2, 1, 2) mesh: the replicate dim's copies take
+    their gradients' mean (4 ranks allow no shard dim above 1 beside a TSP axis of 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from samples.reference_model import build_reference_model
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tsp"))
+    model = build_reference_model(seed=0, num_layers=2)
+    opts = {"group": mesh, "mesh_dim": "tsp", "data_parallel": "hsdp"}
+    run = torch.compile(model, backend="tsp", options=opts)
+    opt = torch.optim.AdamW(run.parameters(), lr=1e-3, eps=1e-4)
+    rep = mesh.get_local_rank("rep")
+    for ids in global_batches(3):
+        mine = ids[2 * rep : 2 * rep + 2]
+        lm_loss(run(mine), mine).backward()
+        torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "param_err": max(
+            (p.full_tensor() - q).abs().max().item()
+            for (_, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+        ),
+        "placements": sorted({str(tuple(p.placements)) for p in model.parameters()}),
+        "opt_bytes": state_bytes(opt),
+    }
 
 
 def resume(root: str, world: int) -> dict[str, torch.Tensor]:
@@ -162,6 +193,10 @@ def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
             assert dims == ("dp", "tsp"), name
             assert placements[0] == "Shard", (name, placements)  # split over dp
         # optimizer state: 1/(dp x D) of one process's, within 10%
+        # hsdp (2, 1, 2): equal to one process; state 1/(shard x D) = 1/2 of one process's
+        assert r["hsdp"]["param_err"] < 1e-5, r["hsdp"]
+        assert r["hsdp"]["opt_bytes"] * 2 == r["ref_opt_bytes"], r["hsdp"]
+        assert all(p.startswith("(Replicate(), Shard(") for p in r["hsdp"]["placements"]), r
         ratio = r["opt_bytes"] * 4 / r["ref_opt_bytes"]
         print(f"optimizer state bytes per rank {r['opt_bytes']}, one process {r['ref_opt_bytes']}")
         assert 0.9 < ratio < 1.1, (ratio, r["opt_bytes"], r["ref_opt_bytes"])
@@ -217,8 +252,10 @@ def test_fsdp_needs_a_2d_mesh():
 
     with pytest.raises(GroupResolutionError, match=r"needs a 2-D DeviceMesh \(dp, tsp\)"):
         resolve_group(None, None, "fsdp")
-    with pytest.raises(OptionError, match=r"data_parallel='hsdp' is not one of"):
-        TSPOptions.from_dict({"data_parallel": "hsdp"})
+    with pytest.raises(GroupResolutionError, match=r"needs a 3-D DeviceMesh \(replicate, shard"):
+        resolve_group(None, None, "hsdp")
+    with pytest.raises(OptionError, match=r"data_parallel='zero3' is not one of"):
+        TSPOptions.from_dict({"data_parallel": "zero3"})
 
 
 def test_plan_dp_per_rank_memory(capsys):

@@ -17,7 +17,7 @@ _CHOICES = {
     "inner": ("eager", "aot_eager", "inductor"),
     "schedules": ("tsp", "sp", "none"),
     "recompute": ("none", "selective", "full"),
-    "data_parallel": ("replicate", "fsdp"),
+    "data_parallel": ("replicate", "fsdp", "hsdp"),
 }
 
 
@@ -32,7 +32,9 @@ class TSPOptions:
         every dp rank holds the TSP axis's parameters and optimizer state, gradients are
         all-reduced in buckets, ``runtime/data_parallel.py``) or "fsdp" (parameters,
         gradients and optimizer state also split over dp: 2-D DTensors, gathered per call,
-        gradients reduce-scattered; ``runtime/dp_shard.py``, docs/cluster.md).
+        gradients reduce-scattered; ``runtime/dp_shard.py``, docs/cluster.md) or "hsdp" (a 3-D
+        (replicate, shard, tsp) mesh: split over shard, gradients also averaged over
+        replicate).
     inputs: "replicated" — every rank passes the full batch; the graph takes its zigzag part.
     outputs: "gathered" (results equal one device) or "sharded" (each rank keeps its zigzag
         tokens; see ``tspc.zigzag_unshard``) — for long context, where gathering logits would
