@@ -35,9 +35,22 @@ class DPSharding:
 _DP_SHARDING: dict[str, DPSharding] = {}
 
 
+# every mesh ever registered (a model compiled with "fsdp" keeps its parameters on it even if
+# another is compiled later with "replicate" on the same TSP group)
+_BY_MESH: list[DPSharding] = []
+
+
 def dp_sharding_of(tsp_group: str) -> DPSharding | None:
     """The sharded data-parallel mesh of a TSP group, or None when its dp axis replicates."""
     return _DP_SHARDING.get(tsp_group)
+
+
+def dp_sharding_of_mesh(mesh) -> DPSharding | None:
+    """What ``register`` recorded for this mesh object, if anything."""
+    for sh in _BY_MESH:
+        if sh.mesh is mesh:
+            return sh
+    return None
 
 
 def register(tsp_name: str, mesh, tsp_dim: int, mode: str) -> tuple[str, int]:
@@ -63,10 +76,12 @@ def register(tsp_name: str, mesh, tsp_dim: int, mode: str) -> tuple[str, int]:
     if mesh.ndim == 3:
         rep = mesh.get_group(others[0])
         rep_name, rep_size = rep.group_name, dist.get_world_size(rep)
-    _DP_SHARDING[tsp_name] = DPSharding(
+    _DP_SHARDING[tsp_name] = sh = DPSharding(
         mesh, shard_dim, tsp_dim, dp.group_name, dist.get_world_size(dp), flat_name,
         flat_size, rep_name, rep_size,
     )  # fmt: skip
+    if dp_sharding_of_mesh(mesh) is None:
+        _BY_MESH.append(sh)
     return whole_dp
 
 

@@ -26,14 +26,14 @@ Every dp rank runs the same graphs with the same parameters in the same order, s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 
-from .dp_mesh import dp_sharding_of
+from .dp_mesh import dp_sharding_of, dp_sharding_of_mesh
 from .group import process_group
 
 
@@ -51,14 +51,22 @@ class _Spread:
     rep_size: int = 1
 
 
-# The spread of a 2-D parameter, an attribute of the parameter (its placements say it too,
-# but this keeps the per-call path free of placement arithmetic; a weak reference to a DTensor
-# parameter would make ``model.to()`` fail, see data_parallel.py).
-_ATTR = "_tspc_dp_spread"
-
-
 def _spread_of(dparam: torch.Tensor) -> _Spread | None:
-    return getattr(dparam, _ATTR, None)
+    """How a parameter is cut over the data-parallel dims, read from its placements (an
+    attribute would not survive ``model.to()``: ``swap_tensors`` swaps ``__dict__``). Over dp
+    along the TSP placement's own dim only when cut over the whole mesh (``make_dparam``)."""
+    if not isinstance(dparam, DTensor) or dparam.device_mesh.ndim < 2:
+        return None
+    sh = dp_sharding_of_mesh(dparam.device_mesh)
+    if sh is None:
+        return None
+    dp_pl, tsp_pl = dparam.placements[sh.dp_dim], dparam.placements[sh.tsp_dim]
+    rep = {"rep_group": sh.rep_group, "rep_size": sh.rep_size}
+    if not isinstance(dp_pl, Shard):
+        return _Spread(None, sh.dp_group, sh.dp_size, sh.dp_size, **rep)
+    if type(tsp_pl) is Shard and tsp_pl.dim == dp_pl.dim:
+        return _Spread(dp_pl.dim, sh.flat_group, sh.flat_size, sh.flat_size, **rep)
+    return _Spread(dp_pl.dim, sh.dp_group, sh.dp_size, sh.dp_size, **rep)
 
 
 def is_dp_sharded(dparam: torch.Tensor) -> bool:
@@ -94,16 +102,13 @@ def make_dparam(
         mine = tsp_local.chunk(spread.size, spread.dim)[rank]
         dp_pl = Shard(spread.dim)
         tsp_pl = Shard(spread.dim) if spread.group == sh.flat_group else tsp_placement
-    spread = replace(spread, rep_group=sh.rep_group, rep_size=sh.rep_size)
     placements = [Replicate()] * mesh.ndim  # hsdp's replicate dim stays Replicate
     placements[sh.dp_dim], placements[sh.tsp_dim] = dp_pl, tsp_pl
     with torch.no_grad():
         dt = DTensor.from_local(
             mine.detach().clone(), mesh, placements, run_check=False, shape=shape, stride=stride
         )
-    param = nn.Parameter(dt, requires_grad=requires_grad)
-    setattr(param, _ATTR, spread)
-    return param
+    return nn.Parameter(dt, requires_grad=requires_grad)
 
 
 def _pick(t: torch.Tensor, avoid: int | None, group: str, size: int) -> _Spread | None:
