@@ -73,18 +73,27 @@ def is_dp_sharded(dparam: torch.Tensor) -> bool:
     return _spread_of(dparam) is not None
 
 
+def whole_over_dp(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters whose gradients the bucketed all-reduce averages over dp: all of them
+    with ``data_parallel="replicate"``; with "fsdp"/"hsdp" those left off the mesh (read whole
+    by a plain fallback graph too), whose gradients nothing else averages."""
+    return [p for p in params if not is_dp_sharded(p)]
+
+
 def make_dparam(
     tsp_local: torch.Tensor,
     tsp_placement,
     group: str,
-    shape: torch.Size,
-    stride: tuple[int, ...],
-    requires_grad: bool,
+    like: torch.Tensor,
+    read_whole: bool,
 ) -> nn.Parameter | None:
-    """The 2-D DTensor parameter whose TSP-local tensor is ``tsp_local`` (placement
-    ``tsp_placement`` on the TSP axis), or None when the TSP group ``group`` has no fsdp mesh."""
+    """The DTensor parameter on the data-parallel mesh whose TSP-local tensor is ``tsp_local``
+    (placement ``tsp_placement`` on the TSP axis; the shape, strides and ``requires_grad`` of
+    the original ``like``), or None when the TSP group ``group`` has no sharded data-parallel
+    mesh, or the original is ``read_whole`` by a plain (fallback) graph: it then stays on the
+    TSP axis and its gradient is averaged over dp by the bucketed all-reduce."""
     sh = dp_sharding_of(group)
-    if sh is None:
+    if sh is None or read_whole:
         return None
     mesh: DeviceMesh = sh.mesh
     whole_on_tsp = isinstance(tsp_placement, Replicate)
@@ -106,9 +115,10 @@ def make_dparam(
     placements[sh.dp_dim], placements[sh.tsp_dim] = dp_pl, tsp_pl
     with torch.no_grad():
         dt = DTensor.from_local(
-            mine.detach().clone(), mesh, placements, run_check=False, shape=shape, stride=stride
-        )
-    return nn.Parameter(dt, requires_grad=requires_grad)
+            mine.detach().clone(), mesh, placements, run_check=False, shape=like.shape,
+            stride=like.stride(),
+        )  # fmt: skip
+    return nn.Parameter(dt, requires_grad=like.requires_grad)
 
 
 def _pick(t: torch.Tensor, avoid: int | None, group: str, size: int) -> _Spread | None:

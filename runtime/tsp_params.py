@@ -204,16 +204,14 @@ def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: b
             shape=full.shape,
             stride=full.stride(),
         )
-    two_d = make_dparam(
-        local, dt.placements[0], entry.group, full.shape, full.stride(), full.requires_grad
-    )
+    two_d = make_dparam(local, dt.placements[0], entry.group, full, STORE.held_whole(full))
     entry.dparam = (
         two_d if two_d is not None else nn.Parameter(dt, requires_grad=full.requires_grad)
     )
 
 
 def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Parameter:
-    two_d = make_dparam(p.detach(), Replicate(), group, p.shape, p.stride(), p.requires_grad)
+    two_d = make_dparam(p.detach(), Replicate(), group, p, STORE.held_whole(p))
     if two_d is not None:  # data_parallel="fsdp": split over the mesh (runtime/dp_shard.py)
         return two_d
     with torch.no_grad():
