@@ -111,6 +111,13 @@ def fake_process_group_store():
     return FakeStore()
 
 
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under ``name`` (the name functional collectives take)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
     """Whether the dispatcher holds a kernel of ``op_name`` ("aten::mm", "aten::add.Tensor")
     for dispatch key ``key`` ("CUDA", "CompositeImplicitAutograd", ...). Private in 2.13."""
