@@ -26,7 +26,6 @@ differentiable: gradients land on the DTensor parameters, as DTensors).
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
-from .compat import no_fake_mode, strided_shard
+from .compat import no_fake_mode, outermost_module_call, strided_shard
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -362,21 +361,12 @@ def _eager_guard(module: nn.Module, args) -> None:
 # --------------------------------------------------------------------------- the call's swap
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
-_CALL_FRAMES = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 
 
 def _entry_module() -> nn.Module | None:
     """The outermost module whose ``__call__`` runs eagerly on the current stack: the
     ``OptimizedModule``, or the model whose forward was compiled."""
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CALL_FRAMES:
-            m = frame.f_locals.get("self")
-            if isinstance(m, nn.Module):
-                found = m
-        frame = frame.f_back
-    return found
+    return outermost_module_call()
 
 
 def _watch(module: nn.Module, tps: list[TSPParam]) -> None:

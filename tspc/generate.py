@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tspc.runtime.compat import compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm, merge_partials, owner_of_next, partial_attention
 from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_param_of
 from tspc.runtime.zigzag import padded_length, zigzag_indices
@@ -561,12 +562,10 @@ def enable_generate(model: Any, options: dict | None = None) -> Any:
     """Make ``model.generate`` (a transformers model, its ``torch.compile(model, backend="tsp")``
     wrapper, or a model whose forward was compiled) run the prompt on the TSP schedules and the
     decode steps tensor-parallel on the shards. Returns ``model``."""
-    from tspc.runtime.compat import optimized_module_class
-
     OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     if isinstance(model, OptimizedModule):
-        inner = model._orig_mod
+        inner = compiled_module_original(model)
         if not _is_generative(inner):
             raise GenerateUnsupportedError(f"tspc: {type(inner).__name__} has no generate()")
         _route_compiled_module(model, options)
@@ -581,7 +580,7 @@ def enable_generate(model: Any, options: dict | None = None) -> Any:
 def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
     """``cm.generate`` runs the inner model's generate with its forward routed (only during the
     call: ``cm(...)`` itself keeps tracing the model's own forward)."""
-    inner = cm._orig_mod
+    inner = compiled_module_original(cm)
     if "generate" in cm.__dict__:
         return
     fwd = GenerateForward(inner, None, options)
@@ -605,8 +604,6 @@ def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
 def route_from_backend(options: dict | None) -> None:
     """Called by the ``tsp`` backend while it compiles: route ``generate`` of the module being
     called (the model whose forward the user compiled, or ``torch.compile(model)``'s wrapper)."""
-    from tspc.runtime.compat import optimized_module_class
-
     OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     from tspc.runtime.tsp_params import _entry_module
@@ -615,7 +612,7 @@ def route_from_backend(options: dict | None) -> None:
     if entry is None:
         return
     if isinstance(entry, OptimizedModule):
-        if _is_generative(entry._orig_mod):
+        if _is_generative(compiled_module_original(entry)):
             _route_compiled_module(entry, options)
         return
     own = entry.__dict__.get("forward")
