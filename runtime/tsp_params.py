@@ -87,19 +87,23 @@ def _placement_object(placement: tuple):
 
 # --------------------------------------------------------------------------- meshes
 
-_MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}
+# (group name, device type, the group's id) -> the mesh, held weakly: the DTensor parameters on
+# a mesh own it (their specs hold it), so it lives exactly as long as something tspc made on it
+# does. The group's id: a name comes back for a new group after ``destroy_process_group``, and
+# the new group gets a mesh of its own (an id is unique among live objects, and the old
+# group's mesh keeps the old group alive).
+_MESHES: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
 
 
 def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh of the TSP group on ``device``'s type (one per process group: a
-    name can come back for a new group after ``destroy_process_group``)."""
+    """The 1-D DeviceMesh of the TSP group on ``device``'s type."""
     pg = process_group(group_name)
-    key = (group_name, device.type)
-    cached = _MESHES.get(key)
-    if cached is None or cached[0] is not pg:
+    key = (group_name, device.type, id(pg))
+    mesh = _MESHES.get(key)
+    if mesh is None:
         with no_fake_mode():
-            cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device.type))
-    return cached[1]
+            mesh = _MESHES[key] = DeviceMesh.from_group(pg, device.type)
+    return mesh
 
 
 # --------------------------------------------------------------------------- the registry
