@@ -34,17 +34,13 @@ class ProjectionSlots:
     fqn: str = ""  # the weight's parameter name, for the report
 
     @property
-    def rows(self) -> int:
-        return self.row_stop - self.row_start
-
-    @property
-    def unit(self) -> int:
-        """Rows per head."""
-        return self.rows // self.n_heads
+    def unit(self) -> int:  # rows per head, as head_rows reads it
+        return (self.row_stop - self.row_start) // self.n_heads
 
     def rows_numel(self) -> int:
         """Elements of the weight rows this projection uses."""
-        return self.rows * math.prod(self.weight_shape) // self.weight_shape[self.feature_dim]
+        per_row = math.prod(self.weight_shape) // self.weight_shape[self.feature_dim]
+        return (self.row_stop - self.row_start) * per_row
 
 
 @dataclass(frozen=True)
