@@ -106,3 +106,16 @@ def dp_json(rows: list[DPMemory], dp: int, chosen: str) -> dict[str, Any]:
         "chosen": chosen,
         "per_rank_bytes": {r.mode: {**asdict(r), "total": r.total} for r in rows},
     }
+
+
+def report(plan: Any, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The text section (empty at ``--dp 1``) and JSON section for a ``tspc plan`` run."""
+    model, inputs = plan.model, plan.inputs
+    tsp = plan.scheme(f"TSP(D={inputs.devices})").memory
+    axis = TSPAxis(
+        tsp.model_state, tsp.total, inputs.kappa * model.total_params, inputs.kappa,
+        inputs.act_bytes, inputs.devices,
+    )  # fmt: skip
+    rows = dp_rows(axis, args.dp)
+    text = format_dp(rows, inputs.devices, args.dp, args.data_parallel) if args.dp > 1 else ""
+    return text, dp_json(rows, args.dp, args.data_parallel)
