@@ -26,7 +26,6 @@ differentiable: gradients land on the DTensor parameters, as DTensors).
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
-from .compat import no_fake_mode, strided_shard
+from .compat import no_fake_mode, outermost_module_call, strided_shard
+from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -88,19 +88,23 @@ def _placement_object(placement: tuple):
 
 # --------------------------------------------------------------------------- meshes
 
-_MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}
+# (group name, device type, the group's id) -> the mesh, held weakly: the DTensor parameters on
+# a mesh own it (their specs hold it), so it lives exactly as long as something tspc made on it
+# does. The group's id: a name comes back for a new group after ``destroy_process_group``, and
+# the new group gets a mesh of its own (an id is unique among live objects, and the old
+# group's mesh keeps the old group alive).
+_MESHES: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
 
 
 def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh of the TSP group on ``device``'s type (one per process group: a
-    name can come back for a new group after ``destroy_process_group``)."""
+    """The 1-D DeviceMesh of the TSP group on ``device``'s type."""
     pg = process_group(group_name)
-    key = (group_name, device.type)
-    cached = _MESHES.get(key)
-    if cached is None or cached[0] is not pg:
+    key = (group_name, device.type, id(pg))
+    mesh = _MESHES.get(key)
+    if mesh is None:
         with no_fake_mode():
-            cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device.type))
-    return cached[1]
+            mesh = _MESHES[key] = DeviceMesh.from_group(pg, device.type)
+    return mesh
 
 
 # --------------------------------------------------------------------------- the registry
@@ -123,6 +127,10 @@ class TSPParam:
     @property
     def sharded(self) -> bool:
         return self.entry is not None and self.entry.placement[0] != "replicate"
+
+    @property
+    def storage_less(self) -> bool:  # its stand-in holds no data: the DTensor is all there is
+        return self.sharded or is_dp_sharded(self.dparam)
 
     @property
     def placement(self) -> tuple:
@@ -199,10 +207,16 @@ def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: b
             shape=full.shape,
             stride=full.stride(),
         )
-    entry.dparam = nn.Parameter(dt, requires_grad=full.requires_grad)
+    two_d = make_dparam(local, dt.placements[0], entry.group, full, STORE.held_whole(full))
+    entry.dparam = (
+        two_d if two_d is not None else nn.Parameter(dt, requires_grad=full.requires_grad)
+    )
 
 
-def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Parameter:
+    two_d = make_dparam(p.detach(), Replicate(), group, p, STORE.held_whole(p))
+    if two_d is not None:  # data_parallel="fsdp": split over the mesh (runtime/dp_shard.py)
+        return two_d
     with torch.no_grad():
         dt = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
     return nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -227,7 +241,7 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
     rank must then read at least one slice of it, or the sums would not pair up across ranks
     (true of the layouts the passes make: fused Q/K/V, weights also used whole; separate K/V
     weights of shared KV heads never come here, they stay plain replicated inputs)."""
-    local = entry.dparam.to_local()
+    local = tsp_local(entry.dparam)
     if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
         # the same gradient sum the graphs put after replicated inputs
         local = sync_replicated_grad(local, entry.group, entry.world, "replicated_slices")
@@ -251,16 +265,18 @@ def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
     mesh = mesh_of(group, p.device)
     if entry is not None and entry.dparam is not None:
         dparam = entry.dparam
-        handle = p if entry.placement[0] == "replicate" else _storage_less(p)
+        whole = entry.placement[0] == "replicate" and not is_dp_sharded(dparam)
+        handle = p if whole else _storage_less(p)
         STORE.alias(handle, p)
     else:
         entry = None
-        dparam, handle = _replicated_dparam(p, mesh), p
+        dparam = _replicated_dparam(p, mesh, group)
+        handle = _storage_less(p) if is_dp_sharded(dparam) else p
     tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
     REGISTRY.add(p, tp)
     REGISTRY.add(handle, tp)
     REGISTRY.add(dparam, tp)
-    if not tp.sharded:
+    if not tp.storage_less:
         # graphs get the DTensor's local tensor in its place (``graph_input``); a use of the
         # stand-in outside them (eager code between graph breaks) is routed here
         _route_grad(handle, tp)
@@ -271,7 +287,7 @@ def graph_input(tp: TSPParam) -> torch.Tensor:
     """What a compiled graph receives for this parameter in this call: the local tensor of a
     replicated DTensor (``to_local`` is differentiable: the gradient lands on the DTensor), or
     the storage-less stand-in of a sharded weight (the graph reads its slices instead)."""
-    return tp.handle if tp.sharded else tp.dparam.to_local()
+    return tp.handle if tp.sharded else tsp_local(tp.dparam)
 
 
 def adopt(tps: Iterable[TSPParam]) -> None:
@@ -297,8 +313,8 @@ def adopt(tps: Iterable[TSPParam]) -> None:
             if tp.placement[0] == "strided":
                 _add_state_dict_hooks(m)
             _add_load_hooks(m)
-        if tp.sharded:
-            release_original(p)
+        if tp.storage_less:
+            release_original(p, whole_too=True)
         tp.original = None  # released or the stand-in itself: nothing more to do with it
     if entry_module is not None:
         _watch(entry_module, todo)
@@ -362,21 +378,12 @@ def _eager_guard(module: nn.Module, args) -> None:
 # --------------------------------------------------------------------------- the call's swap
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
-_CALL_FRAMES = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 
 
 def _entry_module() -> nn.Module | None:
     """The outermost module whose ``__call__`` runs eagerly on the current stack: the
     ``OptimizedModule``, or the model whose forward was compiled."""
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CALL_FRAMES:
-            m = frame.f_locals.get("self")
-            if isinstance(m, nn.Module):
-                found = m
-        frame = frame.f_back
-    return found
+    return outermost_module_call()
 
 
 def _watch(module: nn.Module, tps: list[TSPParam]) -> None:
@@ -408,10 +415,10 @@ def _refresh_handle(tp: TSPParam) -> None:
     stand-in follows it (Dynamo then compiles once for the new dtype)."""
     dp, h = tp.dparam, tp.handle
     if (h.dtype, h.device, h.requires_grad) == (dp.dtype, dp.device, dp.requires_grad) and (
-        tp.sharded or h.is_set_to(_local(dp))
+        tp.storage_less or h.is_set_to(_local(dp))
     ):
         return
-    if tp.sharded:
+    if tp.storage_less:
         new = _storage_less_like(dp)
     else:
         new = nn.Parameter(_local(dp), requires_grad=dp.requires_grad)
@@ -514,6 +521,7 @@ def _like_param(value: torch.Tensor, tp: TSPParam, keep_dtype: bool = False) -> 
         local = torch.cat(parts, d) if parts else value.new_empty(0)
     else:
         local = value
+    local = dp_part(local, dp)
     return DTensor.from_local(
         local if keep_dtype else local.to(dp.dtype),
         dp.device_mesh,
