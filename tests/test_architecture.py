@@ -117,6 +117,11 @@ def test_the_readme_pass_list_is_the_registry():
     assert block.group(1).rstrip("\n") == describe(), (
         "README's pass list is stale: paste describe()"
     )
+    docs = (REPO / "docs/architecture.md").read_text()
+    block = re.search(r"```text\n# python -m tspc.pipeline\n(.*?)```", docs, re.S)
+    assert block and block.group(1).rstrip("\n") == describe(), (
+        "docs/architecture.md's pass list is stale: paste describe()"
+    )
     rows = set(re.findall(r"^\| ([a-z_]+) \|", readme, re.M))
     missing = [p.name for phase in PHASES for p in phase.passes if p.name not in rows]
     assert not missing, f"README's architecture table has no row for {missing}"
