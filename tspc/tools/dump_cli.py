@@ -294,7 +294,7 @@ def _on_fake_cuda(target: Target, backward: bool) -> Iterator[tuple[Target, bool
 
     from tspc.runtime.compat import fake_tensor_mode, tree_map
     from tspc.tools import fake_cuda
-    from tspc.tools.measure import _keep_fake_parameter_class
+    from tspc.tools.fake_run import _keep_fake_parameter_class
 
     try:
         fake_cuda.ensure_device_guard()
