@@ -27,9 +27,9 @@ from .elementwise import is_reshape
 from .graph_utils import (
     arg,
     is_getitem,
-    module_fqn_of_param,
     node_module_fqn,
     op_name,
+    projection_module,
     shape,
     tensor_inputs,
 )
@@ -456,10 +456,27 @@ def match_attention(
     return matches, skips
 
 
+def _projected_kv_heads(kp: Projection, vp: Projection, hq: int, d: int, dv: int, world: int) -> int:
+    """The KV heads the k and v projections produce when the model repeats them to ``hq``
+    heads inside the region (``hq`` when they produce ``hq`` heads: no repetition)."""
+    if kp.rows % d or vp.rows % dv or kp.rows // d != vp.rows // dv:
+        return hq
+    n = kp.rows // d
+    if n >= hq or hq % n:
+        return hq
+    if n % world:
+        raise _NoMatch(
+            f"{n} key/value heads repeated to {hq} before the attention's head-local ops are not "
+            f"divisible by D={world} (each rank must own whole KV heads to repeat them itself)",
+            heads_fix(hq, n),
+        )
+    return n
+
+
 def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
     try:
         lin, _ = _find_projection(a["query"], params, "q")
-        return module_fqn_of_param(params[as_linear(lin, params).weight].fqn)
+        return projection_module(params[as_linear(lin, params).weight].fqn)
     except _NoMatch:
         return node_module_fqn(sdpa) or sdpa.name
 
@@ -518,9 +535,16 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     if len(xs) != 1:
         raise _NoMatch("the q, k and v projections read different inputs")
     x = next(iter(xs))
+    kv_proj_heads = hkv
+    if not k_rep and hkv == hq and kp.key() != qp.key() and vp.key() != qp.key():
+        # GQA repeated before the last head-local ops (torchtitan's ``repeat_kv`` before the
+        # transpose, torchtune's view + expand + reshape before RoPE): the keys reach the call
+        # with the query heads' count, but the k/v projections hold fewer heads. The
+        # repetition stays in the region and runs per head group on that group's KV heads.
+        kv_proj_heads = _projected_kv_heads(kp, vp, hq, d, vs[3], world)
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
     by_key: dict[tuple, Projection] = {}
-    for p, heads in ((qp, hq), (kp, hkv), (vp, hkv)):
+    for p, heads in ((qp, hq), (kp, kv_proj_heads), (vp, kv_proj_heads)):
         p = by_key.setdefault(p.key(), p)
         if p.n_heads and p.n_heads != heads:
             raise _NoMatch("a fused projection serves q and k/v with different head counts")

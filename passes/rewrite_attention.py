@@ -253,15 +253,16 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         if D > 1
         else 0,
     )
-    fused = m.q.key() == m.k.key() == m.v.key()
-    if fused and m.q.n_heads < m.kv_heads and D > 1:
-        # Falcon's grouped layout: the KV heads are expanded (broadcast_to) before RoPE, so
-        # the keys the schedule gathers already have the query heads' count
+    projected_kv = m.k.n_heads  # the heads the K projection makes (fused: the row units)
+    if projected_kv < m.kv_heads and D > 1:
+        # The KV heads are expanded before RoPE (Falcon's broadcast_to, torchtune's view +
+        # expand + reshape, torchtitan's repeat_kv before the transpose), so the keys the
+        # schedule gathers already have the query heads' count
         kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
-        extra = kv_bytes - kv_bytes * m.q.n_heads // m.kv_heads
-        ret.model_kv_heads = m.q.n_heads
+        extra = kv_bytes - kv_bytes * projected_kv // m.kv_heads
+        ret.model_kv_heads = projected_kv
         ret.notes.append(
-            f"the model expands its {m.q.n_heads} K/V heads to {m.kv_heads} before the "
+            f"the model expands its {projected_kv} K/V heads to {m.kv_heads} before the "
             "head-local ops (RoPE) run on them, so each head group's K/V is gathered at that "
             f"width: {extra} bytes more than the formula's 2*B*S*h_kv*d"
         )
