@@ -24,6 +24,7 @@ from tspc.runtime.errors import TSPConfigError, describe_error
 
 from .analyse import GraphInfo
 from .elementwise import is_reshape
+from .gqa import NoMatch, head_repeat_chain, projected_kv_heads
 from .graph_utils import (
     arg,
     is_getitem,
@@ -46,6 +47,7 @@ class Skip:
     # rather than a reason the module's form gives
     error: BaseException | None = None
     fix: str = ""  # what the user can change to have it sharded (another D), if anything
+    anchor: fx.Node | None = None  # the attention call / the MLP's down projection (census)
 
 
 def failed(kind: str, module: str, stage: str, error: BaseException) -> Skip:
@@ -165,61 +167,11 @@ def sdpa_args(node: fx.Node) -> dict:
     return out
 
 
-class _NoMatch(Exception):
-    def __init__(self, reason: str, fix: str = ""):
-        super().__init__(reason)
-        self.fix = fix  # what the user can change (passes/held_whole.py), if anything
+_NoMatch = NoMatch  # what the user can change (passes/held_whole.py) is its ``fix``
 
 
 def _param_linear(node: fx.Node, params) -> bool:
     return as_linear(node, params) is not None
-
-
-def _single_user(node: fx.Node) -> bool:
-    return len(node.users) == 1
-
-
-def _head_repeat_chain(kv: fx.Node, heads_target: int) -> tuple[fx.Node, list[fx.Node]]:
-    """Walk back over Llama-style ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
-    ``repeat_interleave(n, dim=1)``. Returns (root before repetition, the repetition nodes)."""
-    node = kv
-    name = op_name(node)
-    if name == "repeat_interleave" and _single_user(node):
-        rep = arg(node, 1, "repeats")
-        dim = arg(node, 2, "dim")
-        if isinstance(rep, int) and dim in (1, -3):
-            return node.args[0], [node]
-        return kv, []
-    if name in ("reshape", "view") and _single_user(node):
-        exp = node.args[0]
-        if isinstance(exp, fx.Node) and op_name(exp) == "expand" and _single_user(exp):
-            ins = exp.args[0]
-            if isinstance(ins, fx.Node) and _single_user(ins):
-                src_shape = shape(ins)
-                exp_shape = shape(exp)
-                out_shape = shape(node)
-                inserted = False
-                if op_name(ins) == "unsqueeze" and arg(ins, 1, "dim") in (2, -3):
-                    inserted = True
-                elif is_getitem(ins):
-                    idx = ins.args[1]
-                    inserted = (
-                        isinstance(idx, tuple)
-                        and len(idx) >= 3
-                        and idx[2] is None
-                        and all(isinstance(i, slice) and i == slice(None) for i in idx[:2])
-                    )
-                if (
-                    inserted
-                    and len(src_shape) == 5
-                    and src_shape[2] == 1
-                    and exp_shape[:2] == src_shape[:2]
-                    and exp_shape[3:] == src_shape[3:]
-                    and len(out_shape) == 4
-                    and out_shape[1] == exp_shape[1] * exp_shape[2] == heads_target
-                ):
-                    return ins.args[0], [node, exp, ins]
-    return kv, []
 
 
 def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[fx.Node]]:
@@ -448,29 +400,13 @@ def match_attention(
             module = _guess_module(node, a, params)
             matches.append(_match_one(node, a, params, module, world))
         except _NoMatch as e:
-            skips.append(Skip("attention", module, str(e), fix=e.fix))
+            skips.append(Skip("attention", module, str(e), fix=e.fix, anchor=node))
         except TSPConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - this attention alone is skipped and reported
             skips.append(failed("attention", module, "match", e))
+            skips[-1].anchor = node
     return matches, skips
-
-
-def _projected_kv_heads(kp: Projection, vp: Projection, hq: int, d: int, dv: int, world: int) -> int:
-    """The KV heads the k and v projections produce when the model repeats them to ``hq``
-    heads inside the region (``hq`` when they produce ``hq`` heads: no repetition)."""
-    if kp.rows % d or vp.rows % dv or kp.rows // d != vp.rows // dv:
-        return hq
-    n = kp.rows // d
-    if n >= hq or hq % n:
-        return hq
-    if n % world:
-        raise _NoMatch(
-            f"{n} key/value heads repeated to {hq} before the attention's head-local ops are not "
-            f"divisible by D={world} (each rank must own whole KV heads to repeat them itself)",
-            heads_fix(hq, n),
-        )
-    return n
 
 
 def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
@@ -500,8 +436,8 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     hq, d = qs[1], qs[3]
     if vs[3] != d:
         raise _NoMatch("value head_dim differs from query head_dim")
-    k_root, k_rep = _head_repeat_chain(k, hq)
-    v_root, v_rep = _head_repeat_chain(v, hq)
+    k_root, k_rep = head_repeat_chain(k, hq)
+    v_root, v_rep = head_repeat_chain(v, hq)
     hkv = shape(k_root)[1]
     if shape(v_root)[1] != hkv:
         raise _NoMatch("keys and values have different head counts")
@@ -541,7 +477,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         # transpose, torchtune's view + expand + reshape before RoPE): the keys reach the call
         # with the query heads' count, but the k/v projections hold fewer heads. The
         # repetition stays in the region and runs per head group on that group's KV heads.
-        kv_proj_heads = _projected_kv_heads(kp, vp, hq, d, vs[3], world)
+        kv_proj_heads = projected_kv_heads(kp, vp, hq, d, vs[3], world)
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
     by_key: dict[tuple, Projection] = {}
     for p, heads in ((qp, hq), (kp, kv_proj_heads), (vp, kv_proj_heads)):

@@ -42,7 +42,7 @@ from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .projection import _MATMULS, Linear, as_linear
 
-_ATTENTION = ("sdpa", "softmax")
+_ATTENTION = ("sdpa", "softmax", "flex_attention")
 _ROUTING = ("topk", "argmax", "argsort", "sort")
 # how far back from a down projection the search for its up projection looks (nodes)
 _SEARCH_LIMIT = 64
@@ -303,6 +303,7 @@ def match_mlp(
         if out is None:
             continue
         if isinstance(out, Skip):
+            out.anchor = node
             if out.module not in reported:
                 skips.append(out)
                 reported.add(out.module)

@@ -134,7 +134,9 @@ class FlexAttention(nn.Module):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, HEADS, D_HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, s, HEADS, D_HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
 
         def causal(b_, h_, q_idx, kv_idx):
             return q_idx >= kv_idx
