@@ -119,6 +119,7 @@ class AttentionMatch:
     mask: fx.Node | None = None
     scale: float | None = None
     o_proj: Linear | None = None  # the output projection as a Linear (orientation, bias)
+    v_head_dim: int = 0  # the values' head size (SDPA allows one unlike q's and k's)
 
     @property
     def o_transposed(self) -> bool:
@@ -433,9 +434,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     mask = a["attn_mask"]
     if a["is_causal"] and mask is not None:
         raise _NoMatch("both is_causal and attn_mask are set")
-    hq, d = qs[1], qs[3]
-    if vs[3] != d:
-        raise _NoMatch("value head_dim differs from query head_dim")
+    hq, d, dv = qs[1], qs[3], vs[3]  # values may have a head size of their own
     k_root, k_rep = head_repeat_chain(k, hq)
     v_root, v_rep = head_repeat_chain(v, hq)
     hkv = shape(k_root)[1]
@@ -477,7 +476,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         # transpose, torchtune's view + expand + reshape before RoPE): the keys reach the call
         # with the query heads' count, but the k/v projections hold fewer heads. The
         # repetition stays in the region and runs per head group on that group's KV heads.
-        kv_proj_heads = projected_kv_heads(kp, vp, hq, d, vs[3], world)
+        kv_proj_heads = projected_kv_heads(kp, vp, hq, d, dv, world)
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
     by_key: dict[tuple, Projection] = {}
     for p, heads in ((qp, hq), (kp, kv_proj_heads), (vp, kv_proj_heads)):
@@ -492,9 +491,9 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     o_lin = _o_projection(sdpa, params)
     o_proj = as_linear(o_lin, params)
     o_w = o_proj.weight
-    if o_proj.in_features != hq * d:
+    if o_proj.in_features != hq * dv:
         raise _NoMatch(
-            f"output projection input size {o_proj.in_features} != heads*head_dim {hq * d}"
+            f"output projection input size {o_proj.in_features} != heads*head_dim {hq * dv}"
         )
     if world > 1 and any(params[p.weight].example is None for p in (qp, kp, vp)):
         raise _NoMatch("projection weight is not available")
@@ -512,6 +511,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         q_heads=hq,
         kv_heads=hkv,
         head_dim=d,
+        v_head_dim=dv,
         seq_len=qs[2],
         k_root=k_root,
         v_root=v_root,

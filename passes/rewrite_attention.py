@@ -186,7 +186,8 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 out.append((f"p{i}_b", p.bias, ShardSpec(0, a, b)))
         hq_l = m.q_heads // D
         o_in_dim = 0 if m.o_transposed else 1  # the weight dim of the heads' features
-        out.append(("o_w", m.o_weight, ShardSpec(o_in_dim, r * hq_l * d, (r + 1) * hq_l * d)))
+        dv = m.v_head_dim or d
+        out.append(("o_w", m.o_weight, ShardSpec(o_in_dim, r * hq_l * dv, (r + 1) * hq_l * dv)))
         return out
 
     def comp_shape(pnode: fx.Node, spec: ShardSpec) -> tuple[int, ...]:
@@ -233,9 +234,13 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     tag = m.module
     n_kv_groups = m.kv_heads if shared_kv else D
     elem = tensor_val(m.o_weight).element_size()
-    k_local = tensor_val(m.k_root)
+    # one head group's K and V bytes, averaged (values may have a head size of their own)
     kv_group_bytes = (
-        k_local.numel() // m.kv_heads * local_heads(m.kv_heads, D) * (k_local.element_size())
+        sum(
+            t.numel() // m.kv_heads * local_heads(m.kv_heads, D) * t.element_size()
+            for t in (tensor_val(m.k_root), tensor_val(m.v_root))
+        )
+        // 2
     )
     ret = AttentionRewrite(
         module=m.module,
