@@ -185,11 +185,14 @@ class Block(nn.Module):
 
 
 class PeerModel(nn.Module):
-    def __init__(self, form: str, layers: int = 2, seed: int = 0):
+    """``layers`` blocks of one form, or one block per form of a list of forms."""
+
+    def __init__(self, form: str | list[str], layers: int = 2, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, H)
-        self.layers = nn.ModuleList(Block(form) for _ in range(layers))
+        forms = [form] * layers if isinstance(form, str) else form
+        self.layers = nn.ModuleList(Block(f) for f in forms)
         self.head = nn.Linear(H, VOCAB, bias=False)
 
     def forward(self, ids):
