@@ -9,7 +9,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
 - ``einsum``: projections, scores and the value product written with ``einsum``, an additive
   causal mask, eager softmax; a GLU feed-forward written as one ``einsum`` projection whose output
   is ``chunk``-ed into gate and up.
-- ``flex``: ``torch.nn.attention.flex_attention`` with a causal ``BlockMask``.
+- ``flex`` / ``flex_window``: ``torch.nn.attention.flex_attention`` with a causal
+  ``BlockMask`` / a causal sliding window (FlexAttention has no backward on CPU: forward only).
 - ``v_dim``: values with a head size different from the queries' and keys' (SDPA allows it).
 
 Every form has a gated MLP (``w2(silu(w1(x)) * w3(x))``, or the einsum GLU).
@@ -23,6 +24,7 @@ from torch import nn
 
 H, HEADS, KV, D_HEAD, VOCAB, FFN = 64, 8, 2, 8, 128, 128
 V_HEAD = 4  # the ``v_dim`` form's value head size
+WINDOW = 5  # the ``flex_window`` form's sliding window (keys)
 
 
 def _rope(x, s: int):
@@ -123,8 +125,12 @@ class EinsumAttention(nn.Module):
 
 
 class FlexAttention(nn.Module):
-    def __init__(self):
+    """``flex_attention`` with a causal ``BlockMask``, or a causal sliding window of
+    ``window`` keys."""
+
+    def __init__(self, window: int | None = None):
         super().__init__()
+        self.window = window
         self.wq = nn.Linear(H, HEADS * D_HEAD, bias=False)
         self.wk = nn.Linear(H, HEADS * D_HEAD, bias=False)
         self.wv = nn.Linear(H, HEADS * D_HEAD, bias=False)
@@ -138,10 +144,16 @@ class FlexAttention(nn.Module):
             w(x).view(b, s, HEADS, D_HEAD).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
 
+        window = self.window
+
         def causal(b_, h_, q_idx, kv_idx):
             return q_idx >= kv_idx
 
-        mask = create_block_mask(causal, None, None, s, s, device=str(x.device))
+        def sliding(b_, h_, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        mask_mod = causal if window is None else sliding
+        mask = create_block_mask(mask_mod, None, None, s, s, device=str(x.device))
         out = flex_attention(q, k, v, block_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -168,6 +180,7 @@ ATTENTION = {
     "tune_gqa": TuneGQA,
     "einsum": EinsumAttention,
     "flex": FlexAttention,
+    "flex_window": lambda: FlexAttention(window=WINDOW),
     "v_dim": VDimAttention,
 }
 

@@ -3,8 +3,9 @@ q/k/v with GQA, GQA repeated before RoPE, einsum attention and an einsum GLU chu
 and up, values with their own head size, FlexAttention.
 
 Graph-level at D = 2 (fake process group): each is matched (level 'tsp', every census item
-matched), FlexAttention skipped with its reason. On gloo at D = 2: outputs and gradients equal
-one process, at an even and an odd length.
+matched), FlexAttention's causal and sliding-window masks recognised, a FlexAttention with a
+score_mod skipped with its reason. On gloo at D = 2: outputs and gradients equal one process,
+at an even and an odd length (FlexAttention forward only: it has no backward on CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tests.peer_forms import VOCAB, PeerModel
 from tspc.launch import spawn
 
 MATCHED = ("fused_gqa", "tune_gqa", "einsum", "v_dim")
+FLEX = ("flex", "flex_window")  # no FlexAttention backward on CPU: compared forward only
 
 
 def _compile_report(form: str, length: int = 16):
@@ -28,7 +30,7 @@ def _compile_report(form: str, length: int = 16):
     return COMPILED[-1].report
 
 
-@pytest.mark.parametrize("form", MATCHED)
+@pytest.mark.parametrize("form", MATCHED + FLEX)
 def test_peer_form_is_matched(form, fake_group):
     fake_group(0, 2)
     rep = _compile_report(form)
@@ -43,18 +45,54 @@ def test_peer_form_is_matched(form, fake_group):
     assert len(rep.census) == 4 and rep.unlisted() == [], rep.summary()
 
 
-def test_flex_attention_is_listed_with_its_reason(fake_group):
+def test_flex_attention_masks_are_recognised(fake_group):
+    """The causal and sliding-window BlockMasks become the zigzag kernel's forms."""
     fake_group(0, 2)
-    rep = _compile_report("flex")
+    rep = _compile_report("flex_window")
+    assert [m["kind"] for m in rep.masks] == ["sliding_window"] * 2, rep.summary()
+    assert all(m["window"] == 5 for m in rep.masks), rep.masks
+    assert sum("FlexAttention" in n for n in rep.notes) == 2, rep.notes
+
+
+def test_flex_attention_it_cannot_map_is_listed_with_the_reason(fake_group):
+    """A score_mod (here a bias by distance) is not mapped: the attention is skipped and says
+    why; the MLPs still run the ring."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from tests import peer_forms
+
+    fake_group(0, 2)
+
+    class Biased(peer_forms.FlexAttention):
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (
+                w(x).view(b, s, peer_forms.HEADS, -1).transpose(1, 2)
+                for w in (self.wq, self.wk, self.wv)
+            )
+
+            def bias(score, b_, h_, q_idx, kv_idx):
+                return score - (q_idx - kv_idx).abs()
+
+            out = flex_attention(q, k, v, score_mod=bias)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    peer_forms.ATTENTION["flex_biased"] = Biased
+    try:
+        rep = _compile_report("flex_biased")
+    finally:
+        del peer_forms.ATTENTION["flex_biased"]
     entries = {(e.kind, e.module): e for e in rep.entries}
     for i in (0, 1):
         attn = entries[("attention", f"layers.{i}.attn")]
-        assert attn.status == "skipped" and "flex_attention" in attn.reason, rep.summary()
+        assert attn.status == "skipped" and "score_mod" in attn.reason, rep.summary()
         assert entries[("mlp", f"layers.{i}.mlp")].status == "matched", rep.summary()
     assert rep.unlisted() == [], rep.summary()
 
 
-def peer_worker(rank: int, world: int, forms: list, lengths: list[int]) -> list[dict]:
+def peer_worker(
+    rank: int, world: int, forms: list, lengths: list[int], backward: bool = True
+) -> list[dict]:
     import tspc
 
     out = []
@@ -65,12 +103,15 @@ def peer_worker(rank: int, world: int, forms: list, lengths: list[int]) -> list[
             gen = torch.Generator().manual_seed(length)
             ids = torch.randint(0, VOCAB, (2, length), generator=gen)
             probe = torch.randn(2, length, VOCAB, generator=gen)
-            expected = ref(ids)
-            (expected * probe).sum().backward()
-            got = torch.compile(model, backend="tsp")(ids)
-            (got * probe).sum().backward()
+            with torch.set_grad_enabled(backward):
+                expected = ref(ids)
+                got = torch.compile(model, backend="tsp")(ids)
+            err = 0.0
+            if backward:
+                (expected * probe).sum().backward()
+                (got * probe).sum().backward()
+                err, _ = grad_error(ref, model)
             rep = tspc.last_report()
-            err, _ = grad_error(ref, model)
             out.append(
                 {
                     "form": form,
@@ -87,7 +128,9 @@ def peer_worker(rank: int, world: int, forms: list, lengths: list[int]) -> list[
 @pytest.mark.slow
 def test_peer_forms_equal_one_process():
     # one model holding a block of each form: two compiles (an even and an odd length)
-    for per_rank in spawn(peer_worker, 2, [list(MATCHED)], [16, 13], timeout=900):
+    runs = spawn(peer_worker, 2, [list(MATCHED)], [16, 13], timeout=900)
+    runs += spawn(peer_worker, 2, [list(FLEX)], [16, 13], False, timeout=900)
+    for per_rank in runs:
         for r in per_rank:
             assert r["level"] == "tsp", r
             assert all(status == "matched" for _, _, status, _ in r["entries"]), r

@@ -46,6 +46,7 @@ from tspc.passes.aot_graphs import (
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.canonicalize_einsum import canonicalize_einsum
+from tspc.passes.canonicalize_flex import canonicalize_flex
 from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
@@ -193,13 +194,21 @@ def _canonicalize_attention(ctx: PassContext) -> None:
     # matmul/softmax chain canonicalize_eager_attention reads
     if canonicalize_einsum(ctx.gm, ctx.info.params):
         ctx.report.notes.append("einsum calls lowered to linear/matmul")
+    flex = canonicalize_flex(ctx.gm)
+    if any(f.replaced for f in flex):  # the mask classifier reads the new nodes' values
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+    for f in flex:
+        if f.replaced:
+            ctx.report.notes.append(f"{f.module}: FlexAttention with a {f.reason} mask as SDPA")
+        else:  # an entry, so that no attention is silently left out
+            ctx.report.entries.append(ModuleEntry("attention", f.module, "skipped", f.reason))
     eager = canonicalize_eager_attention(ctx.gm)
     for e in eager:
-        if not e.replaced:  # an entry, so that no attention is silently left out
+        if not e.replaced:
             ctx.report.entries.append(
                 ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
             )
-    ctx.changed_by_eager = bool(eager)
+    ctx.changed_by_eager = bool(eager) or any(f.replaced for f in flex)
 
 
 def _classify_masks(ctx: PassContext) -> None:
