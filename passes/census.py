@@ -177,7 +177,7 @@ def _attention_form(node: fx.Node, params) -> str | None:
     return None
 
 
-def _mlp_form(node: fx.Node, params) -> str | None:
+def _mlp_form(node: fx.Node, params, natures: dict) -> str | None:
     """The MLP ending at projection ``node``, described, or None."""
     down = _weight_in_out(node, params)
     if down is None:
@@ -200,16 +200,25 @@ def _mlp_form(node: fx.Node, params) -> str | None:
         ins = tensor_inputs(n, include_tuples=True)
         if is_getitem(n) or name in _PASS_THROUGH:
             work += [(i, activated) for i in ins]
-        elif nature(n).kind == "elementwise":
+        elif _nature(n, natures) == "elementwise":
             # an activation is a function of one value (gelu, silu, relu², a scale); a sum
             # with another value alone (a residual) makes no MLP
             work += [(i, activated or len(ins) == 1) for i in ins]
     return None
 
 
+def _nature(node: fx.Node, natures: dict) -> str:
+    """What ``node`` does to the last dim (``elementwise``/...), each node classified once: it
+    runs the node on fake values."""
+    if node not in natures:
+        natures[node] = nature(node).kind
+    return natures[node]
+
+
 def census(gm: fx.GraphModule, params) -> list[CensusItem]:
     """Every attention-like and MLP-like computation of ``gm``, in graph order."""
     items = []
+    natures: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -217,7 +226,7 @@ def census(gm: fx.GraphModule, params) -> list[CensusItem]:
         if form is not None:
             items.append(CensusItem("attention", node_module_fqn(node) or node.name, node, form))
             continue
-        form = _mlp_form(node, params)
+        form = _mlp_form(node, params, natures)
         if form is not None:
             w = _weight_in_out(node, params)[0]
             module = projection_module(params[w].fqn) if w in params else node.name
