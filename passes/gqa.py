@@ -35,8 +35,8 @@ def single_user(node: fx.Node) -> bool:
 
 
 def head_repeat_chain(kv: fx.Node, heads_target: int) -> tuple[fx.Node, list[fx.Node]]:
-    """Walk back over Llama-style ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
-    ``repeat_interleave(n, dim=1)``. Returns (root before repetition, the repetition nodes)."""
+    """Walk back over Llama-style ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``,
+    or ``.flatten(1, 2)``) or ``repeat_interleave(n, dim=1)``. Returns (root before repetition, the repetition nodes)."""
     node = kv
     name = op_name(node)
     if name == "repeat_interleave" and single_user(node):
@@ -45,7 +45,12 @@ def head_repeat_chain(kv: fx.Node, heads_target: int) -> tuple[fx.Node, list[fx.
         if isinstance(rep, int) and dim in (1, -3):
             return node.args[0], [node]
         return kv, []
-    if name in ("reshape", "view") and single_user(node):
+    # torchtune's ``k.unsqueeze(2).expand(b, kv, rep, s, d).flatten(1, 2)`` merges the same dims
+    flat = name == "flatten" and (arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)) in (
+        (1, 2),
+        (1, -3),
+    )
+    if (name in ("reshape", "view") or flat) and single_user(node):
         exp = node.args[0]
         if isinstance(exp, fx.Node) and op_name(exp) == "expand" and single_user(exp):
             ins = exp.args[0]

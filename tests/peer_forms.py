@@ -6,6 +6,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
   .reshape(...)`` in the [batch, seq, heads, dim] layout, then ``transpose``).
 - ``tune_gqa``: torchtune-style GQA: k/v viewed ``[b, s, kv, 1, d]``, expanded and reshaped to the
   query heads *before* RoPE and the transpose.
+- ``tune_gqa_flatten``: torchtune's later GQA, ``unsqueeze(2).expand(...).flatten(1, 2)`` right
+  before the call.
 - ``einsum``: projections, scores and the value product written with ``einsum``, an additive
   causal mask, eager softmax; a GLU feed-forward written as one ``einsum`` projection whose output
   is ``chunk``-ed into gate and up.
@@ -103,6 +105,21 @@ class TuneGQA(nn.Module):
         return self.output_proj(out.transpose(1, 2).contiguous().view(b, s, -1))
 
 
+class TuneGQAFlatten(TuneGQA):
+    """torchtune's later spelling: ``unsqueeze(2).expand(...).flatten(1, 2)`` after the
+    transpose, right before the call."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        rep = HEADS // KV
+        q = _rope(self.q_proj(x).view(b, s, HEADS, D_HEAD), s).transpose(1, 2)
+        k = _rope(self.k_proj(x).view(b, s, KV, D_HEAD), s).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, KV, D_HEAD).transpose(1, 2)
+        k, v = (t.unsqueeze(2).expand(b, KV, rep, s, D_HEAD).flatten(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.output_proj(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+
 class EinsumAttention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -178,6 +195,7 @@ class VDimAttention(nn.Module):
 ATTENTION = {
     "fused_gqa": FusedGQA,
     "tune_gqa": TuneGQA,
+    "tune_gqa_flatten": TuneGQAFlatten,
     "einsum": EinsumAttention,
     "flex": FlexAttention,
     "flex_window": lambda: FlexAttention(window=WINDOW),
