@@ -43,6 +43,8 @@ def test_peer_form_is_matched(form, fake_group):
     )
     assert got == want, rep.summary()
     assert len(rep.census) == 4 and rep.unlisted() == [], rep.summary()
+    # einsum's full(-inf).triu(1) and flex's BlockMasks: recognised, no S x S mask in the path
+    assert all(m["recognised"] for m in rep.masks), rep.summary()
 
 
 def test_flex_attention_masks_are_recognised(fake_group):
