@@ -3,7 +3,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
 
 - ``fused_gqa``: torchtitan-style fused ``wqkv`` serving q (8 heads) and k/v (2 heads) from one
   weight, split by ``split``, GQA repeated torchtitan's way (``x[:, :, :, None, :].expand(...)
-  .reshape(...)`` in the [batch, seq, heads, dim] layout, then ``transpose``).
+  .reshape(...)`` in the [batch, seq, heads, dim] layout, then ``transpose``);
+  ``fused_gqa_kv_first_bias``: the same weight holding k, v, then q, with a bias.
 - ``tune_gqa``: torchtune-style GQA: k/v viewed ``[b, s, kv, 1, d]``, expanded and reshaped to the
   query heads *before* RoPE and the transpose.
 - ``tune_gqa_flatten``: torchtune's later GQA, ``unsqueeze(2).expand(...).flatten(1, 2)`` right
@@ -64,14 +65,20 @@ class EinsumGLU(nn.Module):
 
 
 class FusedGQA(nn.Module):
-    def __init__(self, bias: bool = False):
+    """``kv_first``: the fused weight holds k, v, then q; ``bias``: with a bias."""
+
+    def __init__(self, bias: bool = False, kv_first: bool = False):
         super().__init__()
+        self.kv_first = kv_first
         self.wqkv = nn.Linear(H, (HEADS + 2 * KV) * D_HEAD, bias=bias)
         self.wo = nn.Linear(HEADS * D_HEAD, H, bias=False)
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = self.wqkv(x).split([HEADS * D_HEAD, KV * D_HEAD, KV * D_HEAD], dim=-1)
+        if self.kv_first:
+            k, v, q = self.wqkv(x).split([KV * D_HEAD, KV * D_HEAD, HEADS * D_HEAD], dim=-1)
+        else:
+            q, k, v = self.wqkv(x).split([HEADS * D_HEAD, KV * D_HEAD, KV * D_HEAD], dim=-1)
         q = _rope(q.view(b, s, HEADS, D_HEAD), s)
         k = _rope(k.view(b, s, KV, D_HEAD), s)
         v = v.view(b, s, KV, D_HEAD)
@@ -194,6 +201,7 @@ class VDimAttention(nn.Module):
 
 ATTENTION = {
     "fused_gqa": FusedGQA,
+    "fused_gqa_kv_first_bias": lambda: FusedGQA(bias=True, kv_first=True),
     "tune_gqa": TuneGQA,
     "tune_gqa_flatten": TuneGQAFlatten,
     "einsum": EinsumAttention,

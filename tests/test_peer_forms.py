@@ -17,7 +17,14 @@ from tests.helpers import grad_error
 from tests.peer_forms import VOCAB, PeerModel
 from tspc.launch import spawn
 
-MATCHED = ("fused_gqa", "tune_gqa", "tune_gqa_flatten", "einsum", "v_dim")
+MATCHED = (
+    "fused_gqa",
+    "fused_gqa_kv_first_bias",
+    "tune_gqa",
+    "tune_gqa_flatten",
+    "einsum",
+    "v_dim",
+)
 FLEX = ("flex", "flex_window")  # no FlexAttention backward on CPU: compared forward only
 
 
