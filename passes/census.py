@@ -198,7 +198,9 @@ def _mlp_form(node: fx.Node, params, natures: dict) -> str | None:
             continue
         name = op_name(n) or ""
         ins = tensor_inputs(n, include_tuples=True)
-        if is_getitem(n) or name in _PASS_THROUGH:
+        if is_getitem(n) or name in _PASS_THROUGH or "dropout" in name:
+            # dropout is no activation: a residual ``x + dropout(w2(h))`` feeding the next
+            # layer's projections is not an MLP
             work += [(i, activated) for i in ins]
         elif _nature(n, natures) == "elementwise":
             # an activation is a function of one value (gelu, silu, relu², a scale); a sum
