@@ -11,15 +11,19 @@ repetition stays in the region, run by each head group on its own K/V heads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.fx as fx
 
 from .graph_utils import arg, is_getitem, op_name, shape
 from .held_whole import heads_fix
 
-if TYPE_CHECKING:
-    from .match_attention import Projection
+
+class Projection(Protocol):
+    """What this module reads of ``match_attention.Projection``: its output feature count."""
+
+    @property
+    def rows(self) -> int: ...
 
 
 class NoMatch(Exception):
