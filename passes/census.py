@@ -26,14 +26,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .elementwise import nature
-from .graph_utils import (
-    is_getitem,
-    node_module_fqn,
-    op_name,
-    projection_module,
-    shape,
-    tensor_inputs,
-)
+from .graph_utils import is_getitem, node_module_fqn, op_name, shape, tensor_inputs
+from .graph_utils import projection_module as owner_of
 
 # Fused attention calls, by canonical op name (``graph_utils.op_name``).
 ATTENTION_CALLS = frozenset(
@@ -231,7 +225,7 @@ def census(gm: fx.GraphModule, params) -> list[CensusItem]:
         form = _mlp_form(node, params, natures)
         if form is not None:
             w = _weight_in_out(node, params)[0]
-            module = projection_module(params[w].fqn) if w in params else node.name
+            module = owner_of(params[w].fqn) if w in params else node.name
             items.append(CensusItem("mlp", module, node, form))
     return items
 

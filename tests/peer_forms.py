@@ -40,6 +40,14 @@ def _rope(x, s: int):
     return x * f.cos() + torch.cat((-x2, x1), -1) * f.sin()
 
 
+def _projections(m: nn.Module, names: str, kv_out: int, v_out: int, o_in: int) -> None:
+    """Bias-free q/k/v/o ``nn.Linear`` layers named by ``names`` ("q k v o")."""
+    q, k, v, o = names.split()
+    widths = {q: (H, HEADS * D_HEAD), k: (H, kv_out), v: (H, v_out), o: (o_in, H)}
+    for name, (n_in, n_out) in widths.items():
+        setattr(m, name, nn.Linear(n_in, n_out, bias=False))
+
+
 class GatedMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,10 +101,9 @@ class FusedGQA(nn.Module):
 class TuneGQA(nn.Module):
     def __init__(self):
         super().__init__()
-        self.q_proj = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.k_proj = nn.Linear(H, KV * D_HEAD, bias=False)
-        self.v_proj = nn.Linear(H, KV * D_HEAD, bias=False)
-        self.output_proj = nn.Linear(HEADS * D_HEAD, H, bias=False)
+        _projections(
+            self, "q_proj k_proj v_proj output_proj", KV * D_HEAD, KV * D_HEAD, HEADS * D_HEAD
+        )
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -155,10 +162,7 @@ class FlexAttention(nn.Module):
     def __init__(self, window: int | None = None):
         super().__init__()
         self.window = window
-        self.wq = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.wk = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.wv = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.wo = nn.Linear(HEADS * D_HEAD, H, bias=False)
+        _projections(self, "wq wk wv wo", HEADS * D_HEAD, HEADS * D_HEAD, HEADS * D_HEAD)
 
     def forward(self, x):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -185,10 +189,7 @@ class FlexAttention(nn.Module):
 class VDimAttention(nn.Module):
     def __init__(self):
         super().__init__()
-        self.q = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.k = nn.Linear(H, HEADS * D_HEAD, bias=False)
-        self.v = nn.Linear(H, HEADS * V_HEAD, bias=False)
-        self.o = nn.Linear(HEADS * V_HEAD, H, bias=False)
+        _projections(self, "q k v o", HEADS * D_HEAD, HEADS * V_HEAD, HEADS * V_HEAD)
 
     def forward(self, x):
         b, s, _ = x.shape
