@@ -49,6 +49,7 @@ from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
+from tspc.passes.keyed_random import key_random_ops
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
 from tspc.passes.recompute import (
@@ -220,6 +221,14 @@ def _match(ctx: PassContext) -> None:
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
 
 
+def _key_random_ops(ctx: PassContext) -> None:
+    keyed = key_random_ops(ctx.gm, ctx.group.name, ctx.group.size)
+    note = keyed.note()
+    if note:
+        ctx.report.notes.append(note)
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
 def _shard_sequence(ctx: PassContext) -> None:
     if not ctx.shards_sequence:
         if ctx.group.size > 1 and ctx.level != "replicated":
@@ -350,6 +359,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize_attention", _canonicalize_attention),
     Pass("classify_masks", _classify_masks),
     Pass("match", _match),
+    Pass("key_random_ops", _key_random_ops, lambda ctx: ctx.level != "replicated"),
     Pass("shard_sequence", _shard_sequence),
     Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
     Pass("rewrite_attention", _rewrite_attention),
