@@ -14,7 +14,7 @@ import torch.fx as fx
 
 import tspc.ops.keyed_random  # noqa: F401 - defines tspc::keyed_dropout, tspc::keyed_rand
 
-from .graph_utils import set_fake_value, shape, tensor_val
+from .graph_utils import shape, tensor_val
 from .layout import Sharded
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def rule_keyed(p: SequencePropagator, node: fx.Node):
         ar = p.g.call_function(
             torch.arange, (size,), {"dtype": torch.int64, "device": tensor_val(x).device}
         )
-    set_fake_value(ar)
+    ar.meta["val"] = tensor_val(x).new_empty((size,), dtype=torch.int64)  # a fake value
     p.layout[ar] = None
     pos = p.slice(ar, 0, sh)
     args = list(node.args)
