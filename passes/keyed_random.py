@@ -125,7 +125,11 @@ class _Keyer:
     def rand_like(self, n: fx.Node, normal: bool) -> bool:
         x = n.args[0] if n.args else n.kwargs.get("input")
         extra = {k: v for k, v in n.kwargs.items() if k not in ("input", "dtype")}
-        if not isinstance(x, fx.Node) or len(n.args) > 1 or any(v is not None for v in extra.values()):
+        if (
+            not isinstance(x, fx.Node)
+            or len(n.args) > 1
+            or any(v is not None for v in extra.values())
+        ):
             return False  # a device, layout or grad flag: left to torch (gathered)
         xv = tensor_val(x)
         dtype = n.kwargs.get("dtype")

@@ -41,9 +41,7 @@ ELEMENTWISE_NAMES = (
     "full_like empty_like requires_grad_ sgn frac"
 ).split()
 # Elementwise ops whose output is shaped by the first tensor argument alone.
-FIRST_ARG_ONLY_NAMES = (
-    "type_as to zeros_like ones_like full_like empty_like".split()
-)
+FIRST_ARG_ONLY_NAMES = "type_as to zeros_like ones_like full_like empty_like".split()
 # New tensors from sizes: replicated unless a rule says otherwise.
 FACTORY_NAMES = (
     "arange zeros ones full empty tensor randn rand randint eye linspace logspace new_zeros "

@@ -65,7 +65,7 @@ from tspc.runtime.zigzag import padded_length
 from .analyse import GraphInfo
 from .graph_utils import eliminate_dead_code, shape
 from .match_attention import sdpa_args
-from .seq_ops import ATTENTION, in_table
+from .seq_ops import ATTENTION, in_table, resolve
 from .seq_propagate import SequencePropagator
 from .seq_rules_attention import sdpa_local_queries
 
@@ -83,7 +83,9 @@ class SeqShardReport:
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int | None:
-    """The query length of the graph's self-attention calls (their common value)."""
+    """The query length of the graph's self-attention calls (their common value); with none,
+    the length of square ``[B, H, S, S]`` scores a softmax reads (eager attention the passes
+    left as math, e.g. for its dropout)."""
     lengths = []
     for n in gm.graph.nodes:
         if in_table(n, ATTENTION):
@@ -94,9 +96,27 @@ def find_sequence_length(gm: fx.GraphModule) -> int | None:
                 continue
             if len(qs) >= 2 and qs[-2] == ks[-2]:
                 lengths.append(qs[-2])
+    if not lengths:  # eager attention left as math (its dropout in training): square scores
+        lengths = [
+            shape(n.args[0])[-1]
+            for n in gm.graph.nodes
+            if in_table(n, _SOFTMAX)
+            and len(_shape_or_empty(n.args[0])) == 4
+            and shape(n.args[0])[-1] == shape(n.args[0])[-2]
+        ]
     if not lengths:
         return None
     return max(set(lengths), key=lengths.count)
+
+
+_SOFTMAX = resolve(["softmax", "_softmax"])
+
+
+def _shape_or_empty(x) -> tuple:
+    try:
+        return tuple(shape(x))
+    except (ValueError, TypeError, AttributeError):
+        return ()
 
 
 def padding_note(seq_len: int, padded: int, world: int, gather_outputs: bool) -> str:

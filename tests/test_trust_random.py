@@ -100,7 +100,9 @@ def test_sharded_dropout_gets_global_positions():
     assert node.args[4] == 1 and node.args[6] == 12  # split dim, global size
     pos = node.args[5]
     assert isinstance(pos, fx.Node) and "zigzag_slice" in str(pos.target)
-    assert not any("gather" in str(n.target) and n.args[0] is node.args[0] for n in res.gm.graph.nodes)
+    assert not any(
+        "gather" in str(n.target) and n.args[0] is node.args[0] for n in res.gm.graph.nodes
+    )
     assert any("keyed random draws" in s for s in res.report.notes)
 
 
@@ -211,6 +213,8 @@ def _full(t):
 def random_worker(rank: int, world: int, cases: list[tuple[str, int]], n: int) -> dict:
     """GPT-2 with its default dropouts, one training step per case from the same seeds: the
     loss and every gradient (whole); then the probe's dropout mask, two calls."""
+    import tspc
+
     out: dict = {}
     ids = torch.randint(1, 128, (2, n), generator=torch.Generator().manual_seed(3))
     for attn, layers in cases:
@@ -222,11 +226,75 @@ def random_worker(rank: int, world: int, cases: list[tuple[str, int]], n: int) -
         loss.backward()
         grads = {k: _full(p.grad).numpy() for k, p in model.named_parameters()}  # by value
         again = compiled(input_ids=ids, labels=ids).loss.item()  # the next step's masks
-        out[attn] = {"loss": loss.item(), "grads": grads, "next": again}
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    probe = torch.compile(MaskProbe().train(), backend="tsp", fullgraph=True)
-    x = torch.randn(2, n, 16)
-    torch.manual_seed(7)
-    out["masks"] = [probe(x)[1].detach().numpy() for _ in range(2)]
+        rep = tspc.last_report()
+        out[attn] = {"loss": loss.item(), "grads": grads, "next": again, "level": rep.level}
+        out[attn]["notes"] = rep.notes
+        out[attn]["entries"] = [(e.module, e.status, e.reason) for e in rep.entries]
+    out["masks"] = _probe_masks()
     return out
+
+
+PROBE_LENGTHS = (16, 8, 24, 13)  # a length family at D = 1, 2, 4 (multiples of 2D), then padded
+
+
+def _probe_masks() -> dict:
+    """The probe compiled with a symbolic length (``dynamic_seq``: later lengths of the family
+    run the program compiled for the first): its mask at each length, two calls at the first."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    probe = torch.compile(MaskProbe().train(), backend="tsp", dynamic=True)
+    torch.manual_seed(7)
+    masks = {}
+    for n in PROBE_LENGTHS:
+        x = torch.randn(2, n, 16)
+        masks[n] = probe(x)[1].detach().numpy()
+        if n == PROBE_LENGTHS[0]:
+            masks["second call"] = probe(x)[1].detach().numpy()
+    return {"masks": masks, "tspc": dict(counters["tspc"])}
+
+
+CASES = [("sdpa", 1), ("eager", 1)]
+N = 13  # pads at D = 2 and 4
+_ONE: dict = {}
+
+
+def _d1() -> dict:
+    """D = 1 (one rank, nothing sharded, nothing sent): the reference, run once per session."""
+    if not _ONE:
+        _ONE.update(spawn(random_worker, 1, CASES, N, timeout=600)[0])
+    return _ONE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
+def test_gpt2_dropout_same_loss_and_gradients_at_every_d(world):
+    """GPT-2 with its default dropouts trains at D > 1 (before: the partitioner failed at D = 2)
+    and gives D = 1's loss and every gradient for the same seed, SDPA (its dropout_p) and eager
+    attention (dropout of the probabilities) alike; the next call draws new masks."""
+    ref = _d1()
+    for r in spawn(random_worker, world, CASES, N, timeout=600):
+        for attn, _ in CASES:
+            got, want = r[attn], ref[attn]
+            assert got["level"] == "tsp" and any("keyed random" in x for x in got["notes"])
+            assert abs(got["loss"] - want["loss"]) < 1e-5 * abs(want["loss"]), (attn, got["loss"])
+            assert abs(got["next"] - want["next"]) < 1e-5 * abs(want["next"])
+            assert abs(got["next"] - got["loss"]) > 1e-4  # new masks at the next step
+            for k, g in want["grads"].items():
+                err = float(abs(got["grads"][k] - g).max() / (abs(g).max() + 1e-12))
+                assert err < 1e-5, (attn, k, err)
+            status = {m: st for m, st, _ in got["entries"]}
+            assert status["transformer.h.0.mlp"] == "matched"  # the MLP runs TSP
+            assert status["transformer.h.0.attn"] == "skipped"  # dropout: held whole (docs)
+        # the mask itself: D = 1's at every length of the symbolic family and a padded one
+        masks, want = r["masks"]["masks"], ref["masks"]["masks"]
+        for n, m in want.items():
+            assert (masks[n] == m).all(), n
+        assert not (masks["second call"] == masks[PROBE_LENGTHS[0]]).all()
+        assert r["masks"]["tspc"].get("runs_without_compile", 0) >= 1  # a family program ran
+        # rank 0's tokens and rank 1's drew different masks (before: one mask, twice)
+        m = torch.from_numpy(masks[PROBE_LENGTHS[0]])
+        parts = [zigzag_slice(m, 1, rank, world) for rank in range(world)]
+        assert all(not torch.equal(parts[0], q) for q in parts[1:])

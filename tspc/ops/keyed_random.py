@@ -138,9 +138,7 @@ def _no_grad_backward(ctx, grad):
     return (None,) * ctx.n  # random numbers do not depend on ``like``'s values
 
 
-torch.library.register_autograd(
-    "tspc::keyed_rand", _no_grad_backward, setup_context=_no_grad_setup
-)
+torch.library.register_autograd("tspc::keyed_rand", _no_grad_backward, setup_context=_no_grad_setup)
 
 
 @torch.library.custom_op("tspc::keyed_dropout", mutates_args=())
