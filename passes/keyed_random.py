@@ -107,9 +107,8 @@ class _Keyer:
         inplace = op_name(n).endswith("_") or bool(arg(n, 3, "inplace", False))
         if not isinstance(x, fx.Node) or not _number(p) or not isinstance(training, bool):
             return False
-        if not training or p == 0:
-            self.replace(n, x, inplace)
-            return True
+        if not training or p == 0:  # the identity: token-wise (seq_rules_random.py); left in
+            return True  # place, as a matched MLP's chain may hold it
         if p >= 1:  # all zeros: torch's op draws nothing that matters; keep it
             return False
         xv = tensor_val(x)

@@ -14,8 +14,9 @@ import torch.fx as fx
 
 import tspc.ops.keyed_random  # noqa: F401 - defines tspc::keyed_dropout, tspc::keyed_rand
 
-from .graph_utils import shape, tensor_val
+from .graph_utils import arg, shape, tensor_val
 from .layout import Sharded
+from .seq_rules_math import rule_elementwise
 
 if TYPE_CHECKING:
     from .seq_propagate import SequencePropagator
@@ -44,4 +45,18 @@ def rule_keyed(p: SequencePropagator, node: fx.Node):
     return None
 
 
-RULES = {torch.ops.tspc.keyed_dropout: rule_keyed, torch.ops.tspc.keyed_rand: rule_keyed}
+def rule_dropout(p: SequencePropagator, node: fx.Node):
+    """A dropout left in the graph: in eval mode (or p = 0) the identity, token-wise; in
+    training (not keyed: ``p`` a graph value) it draws from torch's generator, so its input is
+    gathered and it runs on the whole value."""
+    training = arg(node, 2, "train" if "train" in node.kwargs else "training", True)
+    if training is False or arg(node, 1, "p", 0.5) in (0, 0.0):
+        return rule_elementwise(p, node)
+    return False
+
+
+RULES = {
+    "dropout dropout_": rule_dropout,
+    torch.ops.tspc.keyed_dropout: rule_keyed,
+    torch.ops.tspc.keyed_rand: rule_keyed,
+}
