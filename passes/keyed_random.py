@@ -46,6 +46,14 @@ _DROPOUT = resolve(["dropout", "dropout_"])
 _RAND_LIKE = resolve(["rand_like"])
 _RANDN_LIKE = resolve(["randn_like"])
 _SDPA = resolve(["scaled_dot_product_attention"])
+# Random ops this pass does not key (listed in the report as drawn from torch's generator).
+_OTHER_RANDOM = resolve(
+    (
+        "bernoulli bernoulli_ normal normal_ uniform_ multinomial poisson randint_like "
+        "exponential_ geometric_ cauchy_ log_normal_ random_ alpha_dropout alpha_dropout_ "
+        "feature_alpha_dropout feature_alpha_dropout_ dropout1d dropout2d dropout3d rrelu"
+    ).split()
+)
 SEED_WORDS = 2
 SEED_TAG = "rng_seed"
 
@@ -55,14 +63,21 @@ class KeyedRandomReport:
     keyed: list[str] = field(default_factory=list)  # "<op> (<node>)" per replaced op
     left: list[str] = field(default_factory=list)  # random ops left to torch's generator
 
-    def note(self) -> str | None:
-        if not self.keyed:
-            return None
-        return (
-            f"keyed random draws replaced torch's generator for {len(self.keyed)} op(s) "
-            f"({', '.join(self.keyed[:4])}{' ...' if len(self.keyed) > 4 else ''}): the same "
-            "numbers at every D, not torch's own (docs/guarantees.md, 'Random ops under sharding')"
-        )
+    def notes(self) -> list[str]:
+        out = []
+        if self.keyed:
+            out.append(
+                f"keyed random draws replaced torch's generator for {len(self.keyed)} op(s) "
+                f"({', '.join(self.keyed[:4])}{' ...' if len(self.keyed) > 4 else ''}): the same "
+                "numbers at every D, not torch's own (docs/guarantees.md, 'Random ops under "
+                "sharding')"
+            )
+        if self.left:
+            out.append(
+                f"random op(s) not keyed, drawn from torch's generator on whole values (their "
+                f"sharded inputs gathered): {', '.join(self.left[:4])}"
+            )
+        return out
 
 
 def _number(x) -> bool:
@@ -210,6 +225,8 @@ def key_random_ops(gm: fx.GraphModule, group_name: str = "", world: int = 1) -> 
             done = k.rand_like(n, in_table(n, _RANDN_LIKE))
         elif in_table(n, _SDPA):
             done = k.sdpa(n) or arg(n, 4, "dropout_p", 0.0) in (0, 0.0)
+        elif in_table(n, _OTHER_RANDOM):
+            done = False
         else:
             continue
         if not done:

@@ -223,9 +223,8 @@ def _match(ctx: PassContext) -> None:
 
 def _key_random_ops(ctx: PassContext) -> None:
     keyed = key_random_ops(ctx.gm, ctx.group.name, ctx.group.size)
-    note = keyed.note()
-    if note:
-        ctx.report.notes.append(note)
+    ctx.report.notes += keyed.notes()
+    if keyed.keyed:  # new nodes need their values
         propagate_shapes(ctx.gm, ctx.example_inputs)
 
 
