@@ -1,5 +1,5 @@
-"""The layering the README's architecture section states, read from the source (``ast``; nothing
-is imported, so the test takes milliseconds), and the README's pass list against the registry.
+"""The layering docs/architecture.md states, read from the source (``ast``; nothing
+is imported, so the test takes milliseconds), and docs/architecture.md's pass list against the registry.
 
 Layers, each importing only from itself and the ones before it: ``runtime/`` (collectives and
 runtime state), ``tspc/ops/`` (the attention kernels), ``passes/`` (graph passes), the core
@@ -108,13 +108,13 @@ def test_torch_private_names_are_imported_in_three_files_only():
 
 
 def test_the_readme_pass_list_is_the_registry():
-    """The README shows ``describe()``'s output verbatim, and its table has a row per pass."""
-    readme = (REPO / "README.md").read_text()
+    """docs/architecture.md shows ``describe()``'s output verbatim, and its table has a row per pass."""
+    readme = (REPO / "docs" / "architecture.md").read_text()
     block = re.search(r"```text\n# python -m tspc.pipeline\n(.*?)```", readme, re.S)
-    assert block, "README: the pass list block (python -m tspc.pipeline) is missing"
+    assert block, "docs/architecture.md: the pass list block (python -m tspc.pipeline) is missing"
     assert block.group(1).rstrip("\n") == describe(), (
-        "README's pass list is stale: paste describe()"
+        "docs/architecture.md's pass list is stale: paste describe()"
     )
     rows = set(re.findall(r"^\| ([a-z_]+) \|", readme, re.M))
     missing = [p.name for phase in PHASES for p in phase.passes if p.name not in rows]
-    assert not missing, f"README's architecture table has no row for {missing}"
+    assert not missing, f"docs/architecture.md's table has no row for {missing}"

@@ -10,7 +10,7 @@
   sums that are all-reduced, and attention reads the sequence-sharded cache with a distributed
   flash-decoding merge. No weight moves and nothing recompiles per token.
 
-How a user gets there (see the README's "Generation"):
+How a user gets there (see docs/generation.md):
 
 * ``model.forward = torch.compile(model.forward, backend="tsp")`` (transformers' idiom): the
   first compiled call routes ``model.forward`` through ``GenerateForward``, so
