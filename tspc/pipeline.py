@@ -229,11 +229,6 @@ def _key_random_ops(ctx: PassContext) -> None:
 
 
 def _shard_sequence(ctx: PassContext) -> None:
-    # Random ops first, at every D (D = 1 too): keyed by global position, they draw what the
-    # sharded graph draws (passes/keyed_random.py). Part of this step, not a pass of its own,
-    # only to keep the README's pass list (describe()) unchanged.
-    if ctx.level != "replicated":
-        _key_random_ops(ctx)
     if not ctx.shards_sequence:
         if ctx.group.size > 1 and ctx.level != "replicated":
             ctx.report.notes.append("no self-attention found: the sequence is not sharded")
@@ -363,6 +358,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize_attention", _canonicalize_attention),
     Pass("classify_masks", _classify_masks),
     Pass("match", _match),
+    # at every D, D = 1 too: keyed by global position, D = 1 draws what D = 2 and 4 draw
+    Pass("key_random_ops", _key_random_ops, lambda ctx: ctx.level != "replicated"),
     Pass("shard_sequence", _shard_sequence),
     Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
     Pass("rewrite_attention", _rewrite_attention),
