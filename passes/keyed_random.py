@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-import tspc.ops.keyed_random  # noqa: F401 - defines tspc::keyed_dropout, tspc::keyed_rand
+from tspc.ops.keyed_random import SEED_TAG  # and defines tspc::keyed_dropout, keyed_rand
 from tspc.runtime.comm import broadcast
 
 from .graph_utils import arg, op_name, tensor_val
@@ -55,7 +55,6 @@ _OTHER_RANDOM = resolve(
     ).split()
 )
 SEED_WORDS = 2
-SEED_TAG = "rng_seed"
 
 
 @dataclass

@@ -35,6 +35,7 @@ _MUL1 = 0x7FEB352D
 _MUL2 = 0x2C1B3C6D  # odd, < 2**31: (2**32 - 1) * _MUL < 2**63
 _GOLDEN = 0x9E3779B9
 _STREAM2 = 0x68E31DA4  # the second word of a normal draw
+SEED_TAG = "rng_seed"  # the tag of the seed's broadcast (passes/keyed_random.py)
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:
