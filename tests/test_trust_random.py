@@ -215,6 +215,7 @@ def random_worker(rank: int, world: int, cases: list[tuple[str, int]], n: int) -
     """GPT-2 with its default dropouts, one training step per case from the same seeds: the
     loss and every gradient (whole); then the probe's dropout mask, two calls."""
     import tspc
+    from tspc.runtime.counters import COUNTER
 
     out: dict = {}
     ids = torch.randint(1, 128, (2, n), generator=torch.Generator().manual_seed(3))
@@ -223,12 +224,15 @@ def random_worker(rank: int, world: int, cases: list[tuple[str, int]], n: int) -
         model = _gpt2(attn, layers)
         compiled = torch.compile(model, backend="tsp", fullgraph=True)
         torch.manual_seed(100 + rank * (attn == "sdpa"))  # sdpa: ranks seeded apart
+        COUNTER.reset()
         loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
+        seed_sends = COUNTER.snapshot()["by_tag"].get("rng_seed", {})
         grads = {k: _full(p.grad).numpy() for k, p in model.named_parameters()}  # by value
         again = compiled(input_ids=ids, labels=ids).loss.item()  # the next step's masks
         rep = tspc.last_report()
         out[attn] = {"loss": loss.item(), "grads": grads, "next": again, "level": rep.level}
+        out[attn]["seed_broadcasts"] = seed_sends.get("broadcast", {}).get("calls", 0)
         out[attn]["notes"] = rep.notes
         out[attn]["entries"] = [(e.module, e.status, e.reason) for e in rep.entries]
     out["masks"] = _probe_masks()
@@ -283,6 +287,7 @@ def test_gpt2_dropout_same_loss_and_gradients_at_every_d(world):
             assert abs(got["loss"] - want["loss"]) < 1e-5 * abs(want["loss"]), (attn, got["loss"])
             assert abs(got["next"] - want["next"]) < 1e-5 * abs(want["next"])
             assert abs(got["next"] - got["loss"]) > 1e-4  # new masks at the next step
+            assert got["seed_broadcasts"] == 1  # one per step: saved for backward, not resent
             for k, g in want["grads"].items():
                 err = float(abs(got["grads"][k] - g).max() / (abs(g).max() + 1e-12))
                 assert err < 1e-5, (attn, k, err)
