@@ -154,7 +154,7 @@ def keyed_dropout(
 ) -> torch.Tensor:
     """``dropout(x, p, training=True)`` with the keep mask keyed by position: ``u >= p``."""
     keep = keyed_draw(x, seed, key, False, dim, positions, global_size) >= p
-    return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+    return (x * keep) * (1.0 / (1.0 - p))  # the scale a Python number: not rounded to x's dtype
 
 
 @keyed_dropout.register_fake
