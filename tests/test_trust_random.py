@@ -199,7 +199,7 @@ class MaskProbe(torch.nn.Module):
 
     def forward(self, x):
         b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 2, h // 2).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).view(b, s, 3, 4, h // 4).permute(2, 0, 3, 1, 4)  # 4 heads
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         a = a.reshape(b, s, h)
         return a, self.drop(torch.ones_like(a))
