@@ -19,7 +19,7 @@ from .layout import Sharded
 from .seq_rules_math import rule_elementwise
 
 if TYPE_CHECKING:
-    from .seq_propagate import SequencePropagator
+    from .seq_rule_api import SequencePropagator
 
 # (dim, positions, global_size): the arguments after (value, seed, key, normal or p)
 _DIM_ARG = 4
@@ -31,8 +31,8 @@ def rule_keyed(p: SequencePropagator, node: fx.Node):
     if not isinstance(sh, Sharded) or isinstance(p.L(node.args[1]), Sharded):
         return False  # a sharded seed cannot be: gather (exact)
     size = shape(x)[sh.dim]  # global: rules reason in global shapes
-    with p.g.inserting_before(node):
-        ar = p.g.call_function(
+    with node.graph.inserting_before(node):
+        ar = node.graph.call_function(
             torch.arange, (size,), {"dtype": torch.int64, "device": tensor_val(x).device}
         )
     ar.meta["val"] = tensor_val(x).new_empty((size,), dtype=torch.int64)  # a fake value

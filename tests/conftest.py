@@ -38,9 +38,9 @@ def fake_group():
 
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 # The files that take longest (``--durations``), longest first.

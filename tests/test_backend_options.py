@@ -85,7 +85,7 @@ def test_a_new_scalar_value_does_not_recompile_a_dynamic_graph():
     def f(x, temperature):
         return torch.softmax(x / temperature, dim=-1)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(f, backend="tsp", dynamic=True)
     before = tspc.report.last_graph_id()
     x = torch.randn(2, 8, 4)
@@ -103,7 +103,7 @@ def test_comm_timeout_is_the_graphs_own_not_the_process_default():
     from tspc.runtime import comm
 
     default = comm.SETTINGS.timeout_s
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = build_reference_model(num_layers=1)
     compiled = torch.compile(model, backend="tsp", options={"comm_timeout": 7.0})
     compiled(torch.randint(0, 256, (2, 16)))

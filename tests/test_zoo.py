@@ -189,7 +189,7 @@ def _zoo_case(case: tuple[str, str, int, bool, int]) -> dict:
     from tspc.runtime.counters import COUNTER
 
     family, attn, seq, padded, layers = case
-    torch._dynamo.reset()
+    torch.compiler.reset()
     cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0]})
     if layers == 1 and not _layers_differ(cfg):
         cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0], **ONE_LAYER})
