@@ -52,6 +52,7 @@ from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
+from tspc.passes.keyed_random import key_random_ops
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
 from tspc.passes.recompute import (
@@ -252,6 +253,13 @@ def _census(ctx: PassContext, skips: list) -> None:
     ]
 
 
+def _key_random_ops(ctx: PassContext) -> None:
+    keyed = key_random_ops(ctx.gm, ctx.group.name, ctx.group.size)
+    ctx.report.notes += keyed.notes()
+    if keyed.keyed:  # new nodes need their values
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
 def _shard_sequence(ctx: PassContext) -> None:
     if not ctx.shards_sequence:
         if ctx.group.size > 1 and ctx.level != "replicated":
@@ -382,6 +390,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize_attention", _canonicalize_attention),
     Pass("classify_masks", _classify_masks),
     Pass("match", _match),
+    # at every D, D = 1 too: keyed by global position, D = 1 draws what D = 2 and 4 draw
+    Pass("key_random_ops", _key_random_ops, lambda ctx: ctx.level != "replicated"),
     Pass("shard_sequence", _shard_sequence),
     Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
     Pass("rewrite_attention", _rewrite_attention),
