@@ -122,3 +122,61 @@ def test_inputs_that_differ_between_ranks_are_an_error_on_every_rank(world, case
         assert "CollectiveTimeout" not in r["error"] and r["seconds"] < (
             20 if case == "batch" else 200
         ), r
+
+
+# --------------------------------------------------------------------------- shared storage
+
+
+def carve_from_one_buffer(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter of ``model`` becomes a view of one flat tensor (as a flat-buffer
+    optimizer or a checkpoint loader lays them out), with the same values; returns the flat
+    tensor, which the model also keeps."""
+    params = list(model.named_parameters())
+    flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+    offset = 0
+    for name, p in params:
+        owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        view = flat[offset : offset + p.numel()].view_as(p)
+        setattr(owner, name.rpartition(".")[2], torch.nn.Parameter(view))
+        offset += p.numel()
+    model.flat = flat
+    return flat
+
+
+def shared_worker(rank: int, world: int) -> dict:
+    import tspc
+
+    torch._dynamo.reset()
+    ref = build_reference_model(seed=0, num_layers=2)
+    model = build_reference_model(seed=0, num_layers=2)
+    flat = carve_from_one_buffer(model)
+    kept = model.norm.weight  # a replicated parameter sharing the storage of sharded ones
+    run = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
+    ids = _ids(0)
+    _loss(ref(ids), ids).backward()
+    _loss(run(ids), ids).backward()
+    res = {"grad_err": grad_error(ref, model)[0]}
+    adamw_side_by_side(
+        list(ref.parameters()),
+        list(model.parameters()),
+        lambda: _loss(ref(ids), ids),
+        lambda: _loss(run(ids), ids),
+    )
+    ref_state = ref.state_dict()
+    state = {k: v for k, v in model.state_dict().items() if k != "flat"}
+    res["state_err"] = max(
+        (v.full_tensor() if hasattr(v, "full_tensor") else v).sub(ref_state[k]).abs().max().item()
+        for k, v in state.items()
+    )
+    res["flat_bytes"] = flat.untyped_storage().nbytes()
+    res["kept_sum"] = float(kept.detach().float().sum())  # read: a freed storage would crash
+    res["released"] = tspc.is_released(kept)
+    return res
+
+
+@pytest.mark.slow
+def test_parameters_carved_from_one_buffer_train_like_one_process():
+    for r in spawn(shared_worker, 2, timeout=300, fresh=True):
+        assert r["grad_err"] < 1e-4, r
+        assert r["state_err"] < 1e-5, r
+        assert r["flat_bytes"] > 0, r

@@ -33,6 +33,7 @@ from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
+from tspc.runtime.optimizers import watch as watch_optimizers
 from tspc.runtime.rank_check import RankCheck, communicates
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
@@ -363,6 +364,7 @@ class _CompiledTSPGraph:
                 out = self.fn(*flat, *shards)
         if tps:
             adopt(tps)
+            watch_optimizers(tps)  # optimizers built before this call hold the originals
         return out
 
 
