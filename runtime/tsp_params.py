@@ -133,9 +133,13 @@ class TSPParam:
 class _Registry:
     """original parameter, stand-in and DTensor parameter -> their TSPParam.
 
-    The DTensor parameters are looked up by id, not through weak references: ``model.to()``
-    converts a DTensor parameter in place with ``torch.utils.swap_tensors``, which refuses a
-    tensor that has a weak reference."""
+    The DTensor parameters and the stand-ins are looked up by id, through a weak reference to
+    their TSPParam: ``model.to()`` converts a DTensor parameter in place with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference, and a
+    TSPParam holds its stand-in, so a dictionary weakly keyed on the stand-in would keep both
+    alive for good (with the model's replicated weights, whose stand-in is the original). The
+    TSPParams live as long as the module that runs them (``_WATCHED``), or an original
+    parameter an optimizer still holds."""
 
     def __init__(self) -> None:
         self._weak: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -144,13 +148,20 @@ class _Registry:
     def get(self, t: torch.Tensor) -> TSPParam | None:
         ref = self._by_id.get(id(t))
         tp = ref() if ref is not None else None
-        if tp is not None and tp.dparam is t:
+        if tp is not None and (tp.dparam is t or tp.handle is t):
             return tp
         return self._weak.get(t) if not isinstance(t, DTensor) else None
 
     def add(self, t: torch.Tensor, tp: TSPParam) -> None:
-        if isinstance(t, DTensor):
-            self._by_id[id(t)] = weakref.ref(tp)
+        if isinstance(t, DTensor) or t is tp.handle:
+            key = id(t)
+            by_id = self._by_id
+
+            def drop(ref: weakref.ref, key: int = key) -> None:
+                if by_id.get(key) is ref:
+                    del by_id[key]
+
+            by_id[key] = weakref.ref(tp, drop)
         else:
             self._weak[t] = tp
 
@@ -315,6 +326,7 @@ def adopt(tps: Iterable[TSPParam]) -> None:
     if entry_module is not None:
         _watch(entry_module, todo)
     else:
+        _UNWATCHED.extend(todo)  # no module to live as long as: kept for the process
         log.warning(
             "tspc: the compiled graph was not called from a module's __call__; the model now "
             "holds DTensor parameters and must be called through torch.compile(model, "
@@ -373,6 +385,7 @@ def _eager_guard(module: nn.Module, args) -> None:
 
 # --------------------------------------------------------------------------- the call's swap
 
+_UNWATCHED: list[TSPParam] = []
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
 _CALL_FRAMES = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 

@@ -180,3 +180,127 @@ def test_parameters_carved_from_one_buffer_train_like_one_process():
         assert r["grad_err"] < 1e-4, r
         assert r["state_err"] < 1e-5, r
         assert r["flat_bytes"] > 0, r
+
+
+# --------------------------------------------------------------------------- torch's global state
+
+
+def torch_state() -> dict:
+    """What of torch is process-wide and a backend could change: fx's side-effect set, the
+    global optimizer and module hooks, Inductor's lowering table (once imported), the Dynamo,
+    functorch and Inductor configs, grad mode and the default dtype."""
+    import sys
+
+    import torch.fx.node as fx_node
+    import torch.nn.modules.module as module_mod
+    import torch.optim.optimizer as optimizer_mod
+
+    state = {
+        "fx side-effect set": set(fx_node._side_effectful_functions),
+        "optimizer hooks": [
+            list(optimizer_mod._global_optimizer_pre_hooks),
+            list(optimizer_mod._global_optimizer_post_hooks),
+        ],
+        "module hooks": {
+            name: list(value)
+            for name, value in vars(module_mod).items()
+            if name.startswith("_global_") and isinstance(value, dict)
+        },
+        "dynamo config": torch._dynamo.config.get_config_copy(),
+        "grad mode": torch.is_grad_enabled(),
+        "default dtype": torch.get_default_dtype(),
+    }
+    if "torch._inductor.lowering" in sys.modules:
+        state["inductor lowerings"] = set(sys.modules["torch._inductor.lowering"].lowerings)
+        state["inductor config"] = sys.modules["torch._inductor.config"].get_config_copy()
+    if "torch._functorch.config" in sys.modules:
+        state["functorch config"] = sys.modules["torch._functorch.config"].get_config_copy()
+    return state
+
+
+def _differences(before: dict, after: dict) -> list[str]:
+    out = []
+    for k in set(before) | set(after):
+        a, b = before.get(k), after.get(k)
+        if a != b:
+            extra = sorted(map(str, b - a)) if isinstance(a, set) and isinstance(b, set) else b
+            out.append(f"{k}: {extra}")
+    return out
+
+
+def state_worker(rank: int, world: int) -> dict:
+    import gc
+
+    import torch._functorch.partitioners  # noqa: F401 - torch's own imports add to the state
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.lowering  # noqa: F401
+
+    torch._dynamo.reset()
+    before = torch_state()
+    during = _train_one_model()
+    torch._dynamo.reset()
+    gc.collect()
+    return {"during": during, "differences": _differences(before, torch_state())}
+
+
+def _train_one_model() -> bool:
+    """Two AdamW steps of a model compiled with tspc, in a frame of its own: the model is gone
+    when it returns (``release.owner_modules_of`` reads the callers' frame locals, which keep
+    what they held while the frame lives)."""
+    from tspc.runtime import optimizers
+
+    model = build_reference_model(seed=0, num_layers=1)
+    run = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before the first call
+    ids = _ids(0)
+    for _ in range(2):
+        _loss(run(ids), ids).backward()
+        opt.step()
+        opt.zero_grad()
+    return optimizers.hook_installed()
+
+
+@pytest.mark.slow
+def test_compiling_training_and_deleting_a_model_leaves_torch_as_it_was():
+    for r in spawn(state_worker, 2, timeout=300, fresh=True):
+        assert r["during"], r  # the optimizer hook was there while the model lived
+        assert r["differences"] == [], r
+
+
+IMPORT_CHECK = """
+import torch, torch.optim, torch.fx
+from tests.test_trust_ranks import torch_state, _differences
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+before = torch_state()
+import tspc, tspc.backend
+print(_differences(before, torch_state()))
+"""
+
+
+@pytest.mark.slow
+def test_importing_tspc_changes_nothing_in_torch():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_inductor_lowerings_and_fx_marks_of_tspc_ops_last_only_for_the_compile():
+    from torch._inductor.lowering import lowerings
+
+    from tspc.runtime import comm
+
+    starts = set(comm.START_KIND)
+    assert not starts & set(lowerings)
+    with comm.lowered_for_inductor():
+        assert starts <= set(lowerings)
+    assert not starts & set(lowerings)
+    from torch.fx.node import _side_effectful_functions
+
+    assert not comm.SIDE_EFFECT_OPS & _side_effectful_functions
+    with comm.collectives_kept():
+        assert _side_effectful_functions >= comm.SIDE_EFFECT_OPS
+    assert not comm.SIDE_EFFECT_OPS & _side_effectful_functions
