@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .comm import is_transfer
 from .group import TSPGroup, process_group
@@ -81,7 +82,9 @@ def _signature(value: Any) -> tuple:
 def _is_checkable_state(t: Any) -> bool:
     """A plain tensor holding its data: not a DTensor or a released / storage-less stand-in
     (those were checked before tspc replaced them)."""
-    if not isinstance(t, torch.Tensor) or type(t).__name__ in ("DTensor", "ReleasedParameter"):
+    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        return False
+    if type(t).__name__ == "ReleasedParameter":  # runtime/release.py (imports this module's peers)
         return False
     return t.numel() == 0 or t.untyped_storage().nbytes() > 0
 

@@ -79,7 +79,7 @@ def test_weights_that_differ_between_ranks_are_an_error_on_every_rank(world):
         # the first parameter of the model that differs (the embedding, seeded per rank)
         assert "'embed.weight' differs between ranks" in msg, msg
         assert "sync_module_states" in msg, msg
-        assert r["seconds"] < 60, r
+        assert r["seconds"] < 250, r  # the first call's compile, then the check: no hang
 
 
 @pytest.mark.slow
@@ -101,7 +101,8 @@ def inputs_worker(rank: int, world: int, case: str) -> dict:
     run = torch.compile(model, backend="tsp", options=options)
     if case == "length":  # the first call: lengths 16 and 32
         ids = _ids(0, seq=16 * (rank + 1))
-    elif case == "batch":  # same shape, another batch on each rank (a DistributedSampler)
+    elif case == "batch":  # one agreed call, then another batch on each rank (a DistributedSampler)
+        _loss(run(_ids(0)), _ids(0)).backward()
         ids = _ids(rank)
     else:  # "second length": one agreed call, then each rank changes to its own length
         _loss(run(_ids(0)), _ids(0)).backward()
@@ -118,9 +119,9 @@ def test_inputs_that_differ_between_ranks_are_an_error_on_every_rank(world, case
         assert "input 'l_input_ids_' differs between ranks" in r["error"], r
         if case != "batch":
             assert "shape (2, 32)" in r["error"] or "(2, 48)" in r["error"], r
-        # the check's error, not the collective timeout's, and no compile for the batch case
+        # the check's error, not the collective timeout's (the length cases include a compile)
         assert "CollectiveTimeout" not in r["error"] and r["seconds"] < (
-            20 if case == "batch" else 200
+            20 if case == "batch" else 250
         ), r
 
 
