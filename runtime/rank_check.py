@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import is_transfer
 from .group import TSPGroup, process_group
+from .release import ReleasedParameter
 
 
 class RanksDisagreeError(RuntimeError):
@@ -82,9 +83,7 @@ def _signature(value: Any) -> tuple:
 def _is_checkable_state(t: Any) -> bool:
     """A plain tensor holding its data: not a DTensor or a released / storage-less stand-in
     (those were checked before tspc replaced them)."""
-    if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
-        return False
-    if type(t).__name__ == "ReleasedParameter":  # runtime/release.py (imports this module's peers)
+    if not isinstance(t, torch.Tensor) or isinstance(t, (DTensor, ReleasedParameter)):
         return False
     return t.numel() == 0 or t.untyped_storage().nbytes() > 0
 
