@@ -281,6 +281,7 @@ def test_importing_tspc_changes_nothing_in_torch():
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.slow  # imports Inductor's lowerings (seconds)
 def test_inductor_lowerings_and_fx_marks_of_tspc_ops_last_only_for_the_compile():
     from torch._inductor.lowering import lowerings
 
