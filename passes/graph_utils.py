@@ -342,6 +342,16 @@ def module_fqn_of_param(param_fqn: str) -> str:
     return ".".join(parts[:-2]) if len(parts) > 2 else ".".join(parts[:-1])
 
 
+def projection_module(weight_fqn: str) -> str:
+    """The module a projection weight belongs to: ``...self_attn.q_proj.weight`` ->
+    ``...self_attn`` (a Linear's weight names its layer's parent); a bare parameter that a
+    module applies itself (``einsum("bsd,ed->bse", x, self.wq)``) -> that module."""
+    parts = weight_fqn.split(".")
+    if parts[-1] in ("weight", "bias"):
+        return module_fqn_of_param(weight_fqn)
+    return ".".join(parts[:-1])
+
+
 def node_module_fqn(node: fx.Node) -> str:
     """The innermost module a call node was traced in, from ``nn_module_stack``."""
     stack = node.meta.get("nn_module_stack") or {}

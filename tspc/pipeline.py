@@ -45,6 +45,9 @@ from tspc.passes.aot_graphs import (
     split_recomputed_transfers,
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
+from tspc.passes.canonicalize_einsum import canonicalize_einsum
+from tspc.passes.canonicalize_flex import canonicalize_flex
+from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
@@ -187,13 +190,25 @@ def _analyse(ctx: PassContext) -> None:
 
 
 def _canonicalize_attention(ctx: PassContext) -> None:
+    # einsum projections and products first: the eager attention they spell is then the
+    # matmul/softmax chain canonicalize_eager_attention reads
+    if canonicalize_einsum(ctx.gm, ctx.info.params):
+        ctx.report.notes.append("einsum calls lowered to linear/matmul")
+    flex = canonicalize_flex(ctx.gm)
+    if any(f.replaced for f in flex):  # the mask classifier reads the new nodes' values
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+    for f in flex:
+        if f.replaced:
+            ctx.report.notes.append(f"{f.module}: FlexAttention with a {f.reason} mask as SDPA")
+        else:  # an entry, so that no attention is silently left out
+            ctx.report.entries.append(ModuleEntry("attention", f.module, "skipped", f.reason))
     eager = canonicalize_eager_attention(ctx.gm)
     for e in eager:
-        if not e.replaced:  # an entry, so that no attention is silently left out
+        if not e.replaced:
             ctx.report.entries.append(
                 ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
             )
-    ctx.changed_by_eager = bool(eager)
+    ctx.changed_by_eager = bool(eager) or any(f.replaced for f in flex)
 
 
 def _classify_masks(ctx: PassContext) -> None:
@@ -217,7 +232,24 @@ def _match(ctx: PassContext) -> None:
             warn_module_skipped(ctx.report.graph_id, s.kind, s.module, s.error)
         details = {"fix": s.fix} if s.fix else {}
         ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason, details))
+    _census(ctx, att_skips + mlp_skips)
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
+
+
+def _census(ctx: PassContext, skips: list) -> None:
+    """Every attention- and MLP-like computation the census finds is in the report: one no
+    match or skip accounts for becomes a skip naming the form the matcher did not recognise."""
+    items = census(ctx.gm, ctx.info.params)
+    anchors = {m.sdpa: m.module for m in ctx.att_matches}
+    anchors |= {m.down.node: m.module for m in ctx.mlp_matches}
+    anchors |= {s.anchor: s.module for s in skips if s.anchor is not None}
+    listed = {(e.kind, e.module) for e in ctx.report.entries}
+    for item in reconcile(items, anchors, listed):
+        reason = f"not recognised by the {item.kind} matcher: {item.form}"
+        ctx.report.entries.append(ModuleEntry(item.kind, item.module, "skipped", reason))
+    ctx.report.census = [
+        {"kind": i.kind, "module": i.module, "form": i.form, "node": i.anchor.name} for i in items
+    ]
 
 
 def _shard_sequence(ctx: PassContext) -> None:
