@@ -425,7 +425,7 @@ def _split_recomputed_transfers(ctx: GraphContext) -> None:
     # Recomputed regions: the backward fetches its own weights and K/V. The partitioner's CSE
     # would merge those copies back, so CSE runs here, before they are made, and not again.
     gm = ctx.gm
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph = ctx.graph = joint_graph_cse(gm.graph)
     if split_recomputed_transfers(gm.graph):
         gm.recompile()
