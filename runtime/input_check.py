@@ -9,9 +9,13 @@ values per call — negligible next to a forward, but a synchronisation point, h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
+from .errors import TSPConfigError
 from .group import process_group
 
 
@@ -39,4 +43,23 @@ def check_same_inputs(inputs: list[tuple[str, torch.Tensor]], group: str, world:
                 f"tspc (check_inputs): input '{name}' differs between ranks: rank(s) "
                 f"{differing} passed different values than rank 0. In replicated-input mode "
                 "every rank of the TSP group must pass the same full batch."
+            )
+
+
+def refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
+    """A model already sharded by FSDP or DTensor-based TP: tspc must see the plain model."""
+    from torch.distributed.tensor import DTensor
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for name, ex in zip(names, example_inputs):
+        kind = None
+        if isinstance(ex, DTensor):
+            kind = "a DTensor (FSDP2 fully_shard or tensor-parallel parallelize_module)"
+        elif type(ex).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name:
+            kind = "an FSDP flat parameter"
+        if kind:
+            raise TSPConfigError(
+                f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
+                "weights and tokens itself; compile the unwrapped model with backend='tsp' "
+                "(combine with data parallelism through a 2-D mesh, see the README)."
             )
