@@ -27,7 +27,7 @@ import traceback
 import pytest
 import torch
 
-from tests.helpers import D4_EXTENDED
+from tests.helpers import D4_EXTENDED, grad_err_vs
 from tests.peer_models import PEER_MODELS, PEERS, build, with_peers
 from tests.test_zoo import judge
 from tspc.launch import spawn
@@ -44,20 +44,6 @@ EXPECTED: dict[str, dict[str, str]] = {
     "torchtune gemma": {"attention": "splits a head", "mlp": "matched"},
     "einsum decoder": {"attention": UNLISTED, "mlp": UNLISTED},
 }
-
-
-def _grad_err(ref: torch.nn.Module, model: torch.nn.Module) -> float:
-    """Largest gradient error over the parameters, each relative to its largest reference
-    gradient (floored at 1e-4 of the model's largest: gradients that are zero in exact
-    arithmetic hold rounding noise on both sides)."""
-    from torch.distributed.tensor import DTensor
-
-    pairs = []
-    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        pairs.append((p_ref.grad, g))
-    floor = 1e-4 * max(r.abs().max().item() for r, _ in pairs)
-    return max(((g - r).abs().max() / max(r.abs().max().item(), floor)).item() for r, g in pairs)
 
 
 def _model_rows(name: str) -> list[dict]:
@@ -87,7 +73,7 @@ def _model_rows(name: str) -> list[dict]:
             {
                 "case": (name, seq),
                 "err": ((got - expected).abs().max() / expected.abs().max()).item(),
-                "grad_err": _grad_err(ref, model),
+                "grad_err": grad_err_vs(ref, model),
                 "level": rep.level,
                 "fallbacks": list(rep.fallbacks),
                 "entries": [(e.kind, e.module, e.status, e.reason) for e in rep.entries],
