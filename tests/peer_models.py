@@ -102,47 +102,30 @@ def titan_qwen3() -> nn.Module:
     ).build()
 
 
+# the arguments torchtune's model builders share
+_TUNE = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=DIM, max_seq_len=256)
+
+
 def tune_llama3() -> nn.Module:
     from torchtune.models.llama3 import llama3
 
-    return llama3(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        embed_dim=DIM,
-        max_seq_len=256,
-        intermediate_dim=HIDDEN,
-    )
+    return llama3(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
 
 
 def tune_qwen2() -> nn.Module:
     from torchtune.models.qwen2 import qwen2
 
-    return qwen2(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        embed_dim=DIM,
-        intermediate_dim=HIDDEN,
-        max_seq_len=256,
-    )
+    return qwen2(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
 
 
-def tune_gemma() -> nn.Module:
+def tune_gemma(kv_heads: int = KV_HEADS) -> nn.Module:
     from torchtune.models.gemma import gemma
 
-    return gemma(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        head_dim=DIM // HEADS,
-        num_kv_heads=1,
-        embed_dim=DIM,
-        intermediate_dim=HIDDEN,
-        max_seq_len=256,
-    )
+    return gemma(**_TUNE, head_dim=DIM // HEADS, num_kv_heads=kv_heads, intermediate_dim=HIDDEN)
+
+
+def tune_gemma_mqa() -> nn.Module:
+    return tune_gemma(kv_heads=1)  # Gemma-2B's multi-query attention
 
 
 def einsum_decoder() -> nn.Module:
@@ -157,7 +140,8 @@ PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
     "torchtitan qwen3": (titan_qwen3, "torchtitan", "fused wqkv with GQA, q/k RMSNorm, tied"),
     "torchtune llama3": (tune_llama3, "torchtune", "GQA by view + expand + reshape"),
     "torchtune qwen2": (tune_qwen2, "torchtune", "GQA by view + expand, q/k/v biases"),
-    "torchtune gemma": (tune_gemma, "torchtune", "multi-query, GELU-tanh GLU, scaled embedding"),
+    "torchtune gemma": (tune_gemma, "torchtune", "GELU-tanh GLU, scaled embedding"),
+    "torchtune gemma mqa": (tune_gemma_mqa, "torchtune", "multi-query attention (one KV head)"),
     "einsum decoder": (einsum_decoder, "tspc", "einsum attention and an einsum GLU, chunked"),
 }
 

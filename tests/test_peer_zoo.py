@@ -35,14 +35,19 @@ from tspc.launch import spawn
 LENGTHS = (16, 13)
 UNLISTED = "not listed"  # a kind the report has no entry for (the census's gap)
 
-# model -> {kind: "matched" | UNLISTED | a substring of the skip reason}, today
+# model -> {kind: "matched" | UNLISTED | a substring of the skip reason}, today; or
+# {"raises": a substring of the error} for a model tspc still crashes on (a bug to fix)
 EXPECTED: dict[str, dict[str, str]] = {
     "torchtitan llama3": {"attention": "different head counts", "mlp": "matched"},
     "torchtitan qwen3": {"attention": "different head counts", "mlp": "matched"},
     "torchtune llama3": {"attention": "splits a head", "mlp": "matched"},
     "torchtune qwen2": {"attention": "splits a head", "mlp": "matched"},
     "torchtune gemma": {"attention": "splits a head", "mlp": "matched"},
-    "einsum decoder": {"attention": UNLISTED, "mlp": UNLISTED},
+    # the zigzag kernel is handed K/V of another head size than Q: a crash at the first call
+    "torchtune gemma mqa": {"raises": "Q/K/V should have the same head size"},
+    # the attention's output einsum is taken for a mixture of experts' MLP (under the attention
+    # module's name); the attention and the GLU are not listed
+    "einsum decoder": {"attention": UNLISTED, "mlp": "stacks the experts' weights"},
 }
 
 
@@ -107,11 +112,17 @@ def peer_zoo_worker(rank: int, world: int) -> list[dict]:
 
 def problems(r: dict) -> tuple[list[str], list[str]]:
     """(what is wrong with the row, table entries to update because the row is better)."""
-    if "error" in r:
-        return [f"raised: {r['error']}"], []
     name = r["case"][0]
+    table = EXPECTED[name]
+    if "error" in r:
+        if "raises" in table and table["raises"] in r["error"]:
+            return [], []
+        return [f"raised: {r['error']}"], []
     gaps, unlisted, stale = {}, [], []
-    for kind, state in EXPECTED[name].items():
+    if "raises" in table:  # runs now: any listed state passes until the table says which
+        stale.append(f"EXPECTED[{name!r}]: no longer raises; {r['entries']}")
+        table = {"attention": UNLISTED, "mlp": UNLISTED}
+    for kind, state in table.items():
         statuses = {e[2] for e in r["entries"] if e[0] == kind}
         if state != "matched" and statuses == {"matched"}:
             stale.append(f"EXPECTED[{name!r}][{kind!r}] = 'matched' (was {state!r})")
