@@ -61,5 +61,5 @@ def refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
             raise TSPConfigError(
                 f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
                 "weights and tokens itself; compile the unwrapped model with backend='tsp' "
-                "(combine with data parallelism through a 2-D mesh, see the README)."
+                "(combine with data parallelism through a 2-D mesh, see docs/training.md)."
             )
