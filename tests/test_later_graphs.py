@@ -186,12 +186,29 @@ def _nothing(m: Net) -> None:
     pass
 
 
+def _inner_compiler_fails(m: Net) -> None:
+    import tspc.backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the inner compiler fails on this graph")
+
+    tspc.backend.compile_inner = broken
+
+
 def later_graphs_worker(rank: int, world: int) -> list[dict]:
-    return [
+    import tspc.backend
+
+    rows = [
         _case("graph break, training", 8, _break_in_attention, 8, True),
         _case("eval after train", 8, _einsum_eval, 8, False),
         _case("odd length builds its own mask, training", 8, _nothing, 7, True),
     ]
+    real = tspc.backend.compile_inner
+    try:  # a new length whose tspc compile fails: the plain compile stands in, on the shards
+        rows.append(_case("plain compile stands in, training", 8, _inner_compiler_fails, 12, True))
+    finally:  # the worker process may serve the next test (tspc/launch.py's pool)
+        tspc.backend.compile_inner = real
+    return rows
 
 
 def _check(r: dict, world: int) -> None:
@@ -208,6 +225,9 @@ def _check(r: dict, world: int) -> None:
         assert any(w["module"] in m and str(w["recv_bytes"]) in m for m in r["warnings"]), r
     if gathered:
         assert r["warnings"], r
+    if r["case"].startswith("plain compile"):  # every weight a matched module had, whole
+        assert r["levels"] == ["fallback"], r
+        assert sum(w.endswith("proj.weight") for w in gathered) == 14, r
     if r["case"].startswith("graph break"):
         # the graph break splits layer 0's attention: its q/k/v and o projections are read
         # whole by the graphs on either side of it, whatever the matchers learn
