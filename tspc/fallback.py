@@ -40,7 +40,7 @@ from tspc.runtime.shard_store import STORE
 from . import compiles
 from .errors import REPORT_HINT, FallbackWarning, ReleasedWeightsNeededError, TSPCompileError
 from .inner import compile_plain
-from .later_graphs import gather_inputs, plan_gathers
+from .later_graphs import gather_inputs, plan_gathers, released_inputs
 from .options import TSPOptions
 from .report import CompileReport, forget_report, remember
 
@@ -108,6 +108,17 @@ def fall_back(
             raise cause
         raise TSPCompileError(
             f"tspc (strict): compiling graph {graph_id} with the TSP schedules failed: {what}"
+        ) from cause
+    if group.dp_size > 1 and released_inputs(dynamo_gm, example_inputs, plain=True):
+        # gather-on-use covers the TSP axis only: a weight also split over the data-parallel
+        # axis (data_parallel="fsdp") has no whole value to hand a plain graph here
+        names = [n.name for n in dynamo_gm.graph.find_nodes(op="placeholder")]
+        raise ReleasedWeightsNeededError(
+            f"tspc: compiling graph {graph_id} with the TSP schedules failed ({what}), and a "
+            "plain compile cannot stand in with a data-parallel axis: it reads the whole "
+            f"weights {', '.join(names[i] for i in released_inputs(dynamo_gm, example_inputs, plain=True))}, "
+            "which an earlier graph sharded and released. Compile with "
+            f"options={{'schedules': 'sp'}} (no weight sharding) meanwhile; {REPORT_HINT}."
         ) from cause
     if opts.outputs == "sharded":
         raise TSPCompileError(

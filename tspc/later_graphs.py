@@ -23,17 +23,25 @@ from tspc.runtime.gather_weights import gather_bytes, gather_whole
 from tspc.runtime.shard_store import STORE
 from tspc.runtime.tsp_params import tsp_param_of
 
-from .errors import GatheredWeightsWarning
+from .errors import GatheredWeightsWarning, ReleasedWeightsNeededError
 from .report import CompileReport
 
 
-def released_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> list[int]:
-    """Positions of the inputs ``gm`` reads whose full storage tspc already released."""
+def released_inputs(
+    gm: fx.GraphModule, example_inputs: list[Any], plain: bool = False
+) -> list[int]:
+    """Positions of the inputs ``gm`` reads whose full storage tspc already released; with
+    ``plain`` (a plain compile, fed the modules' stand-ins) also of a parameter split over the
+    data-parallel axis (``data_parallel="fsdp"``), which tspc's graphs get gathered."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
     for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
         entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
-        if entry is not None and entry.released and node.users:
+        tp = tsp_param_of(ex) if isinstance(ex, torch.Tensor) else None
+        released = entry is not None and entry.released
+        if plain and tp is not None and tp.storage_less:
+            released = True
+        if released and node.users:
             out.append(i)
     return out
 
@@ -65,6 +73,13 @@ def plan_gathers(
     for i in positions:
         name = info.inputs[i].fqn or names[i]
         entry = STORE.get(example_inputs[i])
+        tp = tsp_param_of(example_inputs[i])
+        if tp is not None and tp.dparam.device_mesh.ndim > 1:
+            raise ReleasedWeightsNeededError(
+                f"tspc: graph {report.graph_id} ({why}) reads the whole weight {name}, which an "
+                "earlier graph sharded over a (dp, tsp) mesh and released; gathering it back is "
+                "done for the TSP axis alone. Compile with options={'schedules': 'sp'} meanwhile."
+            )
         recv, _ = gather_bytes(entry, example_inputs[i].element_size())
         module = name.rsplit(".", 1)[0] if "." in name else name
         report.gathered_weights.append({"weight": name, "module": module, "recv_bytes": recv})
