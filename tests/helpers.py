@@ -299,3 +299,18 @@ def counting_inner_compiles():
         yield calls
     finally:
         backend.compile_inner = compile_inner
+
+
+def grad_err_vs(ref: torch.nn.Module, model: torch.nn.Module) -> float:
+    """Largest gradient error over the parameters, each relative to its own largest reference
+    gradient, floored at 1e-4 of the model's largest: the key biases' gradients are zero in exact
+    arithmetic (softmax does not change when every key of a query moves by the same amount), so
+    both sides hold rounding noise of ~1e-12 there, and noise over noise is no error."""
+    from torch.distributed.tensor import DTensor
+
+    pairs = []
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        pairs.append((p_ref.grad, g))
+    floor = 1e-4 * max(r.abs().max().item() for r, _ in pairs)
+    return max(((g - r).abs().max() / max(r.abs().max().item(), floor)).item() for r, g in pairs)

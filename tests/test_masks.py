@@ -468,8 +468,8 @@ S_LONG = 4096
 def _memory_and_release_worker(rank: int, world: int) -> dict:
     """(1) A window of 256 and packed documents at S = 4096: the per-rank peak of a forward
     (CPU allocator tracker) against one S x S bool mask. (2) A fallback after the weights were
-    released: a second graph whose 'tsp' pipeline fails raises a clear error at compile time
-    (it used to crash in setStorage on the freed weights)."""
+    released: a second graph whose 'tsp' rewrites fail runs anyway, gathering the weights it
+    reads whole (it used to crash in setStorage on the freed weights, then raised)."""
     import tspc
     import tspc.pipeline
     from tspc.tools.memory import MemoryTracker
@@ -500,8 +500,12 @@ def _memory_and_release_worker(rank: int, world: int) -> dict:
         rewrite_attention = tspc.pipeline.rewrite_attention
         tspc.pipeline.rewrite_attention = broken
         try:
-            cm(input_ids=torch.randint(1, 128, (2, 24)))  # a new length: a new graph
+            got = cm(input_ids=torch.randint(1, 128, (2, 24))).logits  # a new graph
             out["error"] = None
+            out["finite"] = bool(got.isfinite().all())
+            rep = tspc.last_report()
+            out["gathered"] = [w["weight"] for w in rep.gathered_weights]
+            out["skipped"] = [e.reason for e in rep.skipped]
         except Exception as e:  # noqa: BLE001 - the message is what the test checks
             out["error"] = f"{type(e).__name__}: {e}"
         finally:  # the worker process may serve the next test (tspc/launch.py's pool)
@@ -516,8 +520,12 @@ def test_no_s_by_s_at_4096_and_no_crash_after_release():
     for r in spawn(_memory_and_release_worker, 2, timeout=900):
         assert r["masks"] == ["sliding_window+documents"], r
         assert r["peak"] < S_LONG * S_LONG / 4, f"peak {r['peak']}; one S x S bool: {S_LONG**2}"
-        assert r["error"] and "ReleasedWeightsNeededError" in r["error"], r
-        assert "released the full tensors" in r["error"] and "injected" in r["error"], r
+        # the graph whose rewrites raised runs on the shards: the weights its skipped
+        # attentions read whole are gathered per call (tests/test_later_graphs.py checks the
+        # numbers against one process)
+        assert r["error"] is None and r["finite"], r
+        assert any("injected" in why for why in r["skipped"]), r
+        assert any(w.endswith("q_proj.weight") for w in r["gathered"]), r
 
 
 @pytest.mark.parametrize("dtype, kv_heads", [(torch.bfloat16, 1), (torch.float32, 2)])

@@ -24,7 +24,13 @@ import pytest
 import torch
 
 from samples.reference_model import build_reference_model
-from tests.helpers import adamw_side_by_side, capture, count_collectives, grad_error
+from tests.helpers import (
+    adamw_side_by_side,
+    capture,
+    count_collectives,
+    grad_err_vs,
+    grad_error,
+)
 from tspc.errors import FallbackWarning
 from tspc.launch import spawn
 
@@ -332,21 +338,6 @@ def _old_bug(family: str):
     return aot_graphs, "_free_to_recompute", aot_graphs.is_view_or_pack
 
 
-def _grad_err(ref: torch.nn.Module, model: torch.nn.Module) -> float:
-    """Largest gradient error over the parameters, each relative to its own largest reference
-    gradient, floored at 1e-4 of the model's largest: the key biases' gradients are zero in exact
-    arithmetic (softmax does not change when every key of a query moves by the same amount), so
-    both sides hold rounding noise of ~1e-12 there, and noise over noise is no error."""
-    from torch.distributed.tensor import DTensor
-
-    pairs = []
-    for p_ref, p in zip(ref.parameters(), model.parameters()):
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        pairs.append((p_ref.grad, g))
-    floor = 1e-4 * max(r.abs().max().item() for r, _ in pairs)
-    return max(((g - r).abs().max() / max(r.abs().max().item(), floor)).item() for r, g in pairs)
-
-
 def _train(family: str, old_bug: bool) -> dict:
     """Loss, gradients and three AdamW steps of the compiled model against the same model run
     eagerly in this process; with ``old_bug``, the model's old failure is put back first."""
@@ -380,7 +371,7 @@ def _train(family: str, old_bug: bool) -> dict:
     ref_loss = ref(input_ids=ids, labels=labels).loss
     loss.backward()
     ref_loss.backward()
-    grad_err = _grad_err(ref, model)
+    grad_err = grad_err_vs(ref, model)
     rep = tspc.last_report()
     adamw_side_by_side(
         list(ref.parameters()),

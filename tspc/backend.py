@@ -37,6 +37,7 @@ from tspc.runtime.dp_shard import whole_over_dp
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.optimizers import watch as watch_optimizers
+from tspc.runtime.presharded import refuse_presharded
 from tspc.runtime.rank_check import RankCheck, communicates
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
@@ -52,8 +53,9 @@ from tspc.runtime.tsp_params import (
 from . import compiles
 from .dump import write_dump
 from .errors import ReleasedWeightsNeededError, TSPCompileError  # noqa: F401 - re-exported
-from .fallback import check_released_inputs, fall_back, warn_level_failed
+from .fallback import fall_back, warn_level_failed
 from .inner import AotGraphs, compile_inner
+from .later_graphs import gather_inputs, level_cause, plan_gathers
 from .length_family import (
     LengthFamily,
     LengthNotGeneralizable,
@@ -129,7 +131,7 @@ def _compile_static(
         )
     report = result.report
     report.fallbacks = errors
-    check_released_inputs(gm, result, example_inputs, errors, graph_id)
+    gathers = plan_gathers(result.gm, gm, example_inputs, report, level_cause(report, errors))
     if opts.strict:
         skipped = report.skipped
         if skipped:
@@ -204,6 +206,7 @@ def _compile_static(
         rank_check,
         group,
         opts.comm_timeout,
+        gathers,
     )
 
 
@@ -280,6 +283,8 @@ def _releasable_parameters(
     for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
         if not (isinstance(ex, torch.Tensor) and STORE.get(ex) is not None):
             continue
+        if STORE.get(ex).released:  # gathered per call (``tspc/later_graphs.py``)
+            continue
         if node.users:
             kept.append(node.name)
         elif STORE.held_whole(ex):
@@ -314,8 +319,10 @@ class _CompiledTSPGraph:
         rank_check: RankCheck | None,
         group: TSPGroup,
         comm_timeout: float | None = None,
+        gathers: list[tuple[int, str]] = (),
     ):
         self.fn = fn
+        self.gathers = list(gathers)  # released weights read whole: gathered at every call
         self.comm_timeout = comm_timeout  # this graph's own (options["comm_timeout"])
         self.releasable = set(releasable)
         self.params = params  # positions of the module parameters among the graph's inputs
@@ -362,6 +369,7 @@ class _CompiledTSPGraph:
             if g.dp_size > 1:  # data_parallel="fsdp": its 2-D parameters average themselves
                 dp_params = [tp.dparam for tp in tps] or [flat[i] for i in self.params]
                 average_grads_over(whole_over_dp(dp_params), g.dp_name, g.dp_size)
+            gather_inputs(flat, self.gathers)
             with comm.timeout_scope(self.comm_timeout):
                 out = self.fn(*flat, *shards)
         if tps:
@@ -536,28 +544,9 @@ def tsp_backend(
     return compiled
 
 
-def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
-    """A model already sharded by FSDP or DTensor-based TP: tspc must see the plain model."""
-    from torch.distributed.tensor import DTensor
-
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    for name, ex in zip(names, example_inputs):
-        kind = None
-        if isinstance(ex, DTensor):
-            kind = "a DTensor (FSDP2 fully_shard or tensor-parallel parallelize_module)"
-        elif type(ex).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name:
-            kind = "an FSDP flat parameter"
-        if kind:
-            raise TSPConfigError(
-                f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
-                "weights and tokens itself; compile the unwrapped model with backend='tsp' "
-                "(combine with data parallelism through a 2-D mesh, see docs/training.md)."
-            )
-
-
 def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
-    _refuse_presharded(list(example_inputs), gm)
+    refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim, opts.data_parallel)
     dynamo_id = compiles.dynamo_compile_id()
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")

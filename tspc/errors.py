@@ -11,6 +11,7 @@ from tspc.runtime.errors import TSPConfigError, describe_error
 
 __all__ = [
     "FallbackWarning",
+    "GatheredWeightsWarning",
     "ModuleRewriteFailed",
     "PartitionerTagError",
     "ReleasedWeightsNeededError",
@@ -31,7 +32,8 @@ class TSPCompileError(RuntimeError):
 
 class ReleasedWeightsNeededError(TSPCompileError):
     """A graph compiled after tspc released the full weights of sharded parameters would read
-    one of them whole (a fallback level, or a use the schedules do not cover): it cannot run."""
+    one of them whole and no gather can stand in (``tspc/later_graphs.py``). Kept for callers
+    that catch it: such graphs now gather the weights they read whole, per call."""
 
 
 class PartitionerTagError(TSPCompileError):
@@ -44,6 +46,12 @@ class FallbackWarning(UserWarning):
     """tspc could not run part of a graph (one module, or the whole graph) with the TSP
     schedules and ran it another way that gives the same numbers: the warning names the cause
     and what memory it costs."""
+
+
+class GatheredWeightsWarning(FallbackWarning):
+    """A graph compiled after an earlier one sharded and released some weights reads them
+    whole: it runs, gathering each from its owners at every call (``tspc/later_graphs.py``).
+    The warning names the modules and the bytes each call receives."""
 
 
 class ModuleRewriteFailed(Exception):

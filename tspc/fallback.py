@@ -7,15 +7,14 @@ the user chose and no tspc pass (``compile_plain``): what ``torch.compile(model,
 backend=inner)`` runs. Every rank then computes the whole graph on the full batch it was given,
 which is what one process computes; gradients are the full ones on every rank (averaged over a
 data-parallel axis, as tspc's own graphs are). Every rank warns with the cause, and the report
-says level ``'fallback'`` with it.
+says level ``'fallback'`` with it. A weight an earlier graph sharded and released is gathered
+whole at every call of the plain graph (``tspc/later_graphs.py``).
 
 Not when it would be wrong or cannot work; then tspc raises instead:
 
 * ``strict``: the cause, as a ``TSPCompileError``;
 * a configuration error (``TSPConfigError``): the user's to fix, no fallback is right;
 * ``outputs='sharded'``: the caller expects its zigzag tokens, a plain graph returns them all;
-* a weight the graph reads was already released by an earlier graph (its storage is freed, the
-  plain graph cannot read it): ``ReleasedWeightsNeededError`` naming the weights and the cause.
 
 A failure at a compiled graph's first *call* is not covered: the first call releases the full
 weights before it runs the graph, so nothing whole is left to fall back on.
@@ -29,70 +28,23 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
 
-from tspc.passes.analyse import analyse
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError, describe_error
 from tspc.runtime.group import TSPGroup
+from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
-from tspc.runtime.tsp_params import tsp_param_of
 
 from . import compiles
 from .errors import REPORT_HINT, FallbackWarning, ReleasedWeightsNeededError, TSPCompileError
 from .inner import compile_plain
+from .later_graphs import gather_inputs, plan_gathers, released_inputs
 from .options import TSPOptions
-from .pipeline import PipelineResult
 from .report import CompileReport, forget_report, remember
 
 log = logging.getLogger("tspc")
-
-
-def released_inputs(
-    gm: fx.GraphModule, example_inputs: list[Any], plain: bool = False
-) -> list[int]:
-    """Positions of the inputs ``gm`` reads whose full storage tspc already released; with
-    ``plain`` (a plain compile, fed the modules' stand-ins) also of a parameter split over the
-    data-parallel axis (``data_parallel="fsdp"``), which tspc's graphs get gathered."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    out = []
-    for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
-        entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
-        tp = tsp_param_of(ex) if isinstance(ex, torch.Tensor) else None
-        released = entry is not None and entry.released
-        if plain and tp is not None and tp.storage_less:
-            released = True
-        if released and node.users:
-            out.append(i)
-    return out
-
-
-def check_released_inputs(
-    gm: fx.GraphModule,
-    result: PipelineResult,
-    example_inputs: list[Any],
-    errors: list[str],
-    graph_id: int,
-) -> None:
-    """Raise before compiling a graph that reads a released full weight: running it would read
-    freed storage (``setStorage ... out of bounds for storage of size 0``)."""
-    needed = released_inputs(result.gm, example_inputs)
-    if not needed:
-        return
-    placeholders = [n for n in result.gm.graph.nodes if n.op == "placeholder"]
-    info = analyse(gm, example_inputs)  # Dynamo's graph: its placeholders are the inputs
-    needed = [info.inputs[i].fqn or placeholders[i].name for i in needed]
-    # a module left out because its rewrite raised reads its weights whole: say so
-    failed = [f"{e.module}: {e.reason}" for e in result.report.skipped if "failed: " in e.reason]
-    why = "; ".join(errors + failed) if errors or failed else "the graph reads them whole"
-    raise ReleasedWeightsNeededError(
-        f"tspc: graph {graph_id} ran the '{result.report.level}' pipeline ({why}), which needs "
-        f"the whole weights {', '.join(needed)}; an earlier graph sharded them and released the "
-        "full tensors, so this graph cannot run. Compile with options={'schedules': 'sp'} (no "
-        "weight sharding) for inputs like these, or report the failure above."
-    )
 
 
 def warn_level_failed(graph_id: int, level: str, later: tuple[str, ...], error: Exception) -> None:
@@ -115,15 +67,22 @@ class _PlainGraph:
     """The plain compiled graph, as Dynamo calls it; with a data-parallel axis, its parameters
     get the gradient-averaging hook tspc's own graphs install (``runtime/data_parallel.py``)."""
 
-    def __init__(self, fn: Callable, params: list[int], group: TSPGroup):
+    def __init__(
+        self, fn: Callable, params: list[int], group: TSPGroup, gathers: list[tuple[int, str]]
+    ):
         self.fn = fn
         self.params = params
         self.group = group
+        self.gathers = gathers  # released weights read whole: gathered at every call
 
     def __call__(self, *args):
         g = self.group
         if g.dp_size > 1:
             average_grads_over([args[i] for i in self.params], g.dp_name, g.dp_size)
+        if self.gathers:
+            args = list(args)
+            with tspc_internal():
+                gather_inputs(args, self.gathers)
         return self.fn(*args)
 
 
@@ -150,16 +109,14 @@ def fall_back(
         raise TSPCompileError(
             f"tspc (strict): compiling graph {graph_id} with the TSP schedules failed: {what}"
         ) from cause
-    released = released_inputs(dynamo_gm, example_inputs, plain=True)
-    if released:
-        names = [
-            n.name
-            for i, n in enumerate(dynamo_gm.graph.find_nodes(op="placeholder"))
-            if i in released
-        ]
+    if group.dp_size > 1 and released_inputs(dynamo_gm, example_inputs, plain=True):
+        # gather-on-use covers the TSP axis only: a weight also split over the data-parallel
+        # axis (data_parallel="fsdp") has no whole value to hand a plain graph here
+        names = [n.name for n in dynamo_gm.graph.find_nodes(op="placeholder")]
         raise ReleasedWeightsNeededError(
             f"tspc: compiling graph {graph_id} with the TSP schedules failed ({what}), and a "
-            f"plain compile cannot stand in: it reads the whole weights {', '.join(names)}, "
+            "plain compile cannot stand in with a data-parallel axis: it reads the whole "
+            f"weights {', '.join(names[i] for i in released_inputs(dynamo_gm, example_inputs, plain=True))}, "
             "which an earlier graph sharded and released. Compile with "
             f"options={{'schedules': 'sp'}} (no weight sharding) meanwhile; {REPORT_HINT}."
         ) from cause
@@ -192,6 +149,7 @@ def fall_back(
     fn = compile_plain(dynamo_gm, example_inputs, opts.inner)
     report = CompileReport(rank=group.rank, world=group.size, level="fallback", graph_id=graph_id)
     report.fallbacks = [f"plain compile (backend='{opts.inner}'): {what}"]
+    gathers = plan_gathers(dynamo_gm, dynamo_gm, example_inputs, report, "a plain compile")
     report.compile_reason = why[1]
     report.compile_seconds = {"plain compile": time.perf_counter() - t0}
     forget_report(graph_id)  # the report of the attempt that failed, if it got that far
@@ -201,4 +159,4 @@ def fall_back(
         event.seconds = report.compile_seconds
         compiles.record(event)
     params = [i for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)]
-    return _PlainGraph(fn, params, group)
+    return _PlainGraph(fn, params, group, gathers)

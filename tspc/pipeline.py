@@ -329,6 +329,14 @@ def _rewrite_mlp(ctx: PassContext) -> None:
     if not ctx.rewrites:
         _report_not_rewritten(ctx, "mlp", ctx.mlp_matches)
         return
+    if ctx.group.size > 1 and not ctx.shards_sequence:
+        # every rank holds every token here (a graph with no self-attention: a graph break
+        # cut it off): the ring would reduce D equal weight gradients onto each owner, D times
+        # the true one; the MLP reads its weights whole instead (gathered if already released)
+        why = "the sequence is not sharded in this graph (no self-attention in it)"
+        for m in ctx.mlp_matches:
+            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", why))
+        return
     for m in ctx.mlp_matches:
         failed = ctx.failures.excluded("mlp", m.module)
         if failed:

@@ -49,6 +49,9 @@ class CompileReport:
     # window, documents (where the ids came from), detail
     masks: list[dict] = field(default_factory=list)
     predicted_recv_bytes: dict[str, int] = field(default_factory=dict)  # per module
+    # weights an earlier graph sharded and released that this graph reads whole: gathered from
+    # their owners at every call (``tspc/later_graphs.py``): weight, module, recv_bytes per call
+    gathered_weights: list[dict] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     graph_id: int = 0
@@ -134,6 +137,8 @@ class CompileReport:
             lines.append(f"  mask ({m['module'] or m['sdpa']}): {state}: {m['detail']}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
+        for w in self.gathered_weights:
+            lines.append(f"  gathered per call: {w['weight']} ({w['recv_bytes']} bytes received)")
         if self.gathers:
             lines.append(f"  sequence gathers: {len(self.gathers)}")
             for gth in self.gathers:

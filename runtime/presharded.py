@@ -1,0 +1,29 @@
+"""Refuse a model that is already sharded (FSDP, DTensor tensor parallelism): tspc shards the
+weights and the tokens itself, from the plain model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from .errors import TSPConfigError
+
+
+def refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
+    """A model already sharded by FSDP or DTensor-based TP: tspc must see the plain model."""
+    from torch.distributed.tensor import DTensor
+
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for name, ex in zip(names, example_inputs):
+        kind = None
+        if isinstance(ex, DTensor):
+            kind = "a DTensor (FSDP2 fully_shard or tensor-parallel parallelize_module)"
+        elif type(ex).__name__ == "FlatParameter" or "_fsdp_wrapped_module" in name:
+            kind = "an FSDP flat parameter"
+        if kind:
+            raise TSPConfigError(
+                f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
+                "weights and tokens itself; compile the unwrapped model with backend='tsp' "
+                "(combine with data parallelism through a 2-D mesh, see docs/training.md)."
+            )

@@ -1,0 +1,162 @@
+"""Small random-weight models from libraries other than transformers (issue 26's peer zoo).
+
+Each builder makes a 2-layer model (width 64, 4 heads, 2 KV heads where the library has GQA,
+vocabulary 128) from the library's own model code, and returns a module that maps token ids
+``[B, S]`` to logits. The libraries are a test extra installed into ``.peers/`` (see
+``requirements-peers.txt`` and ``docs/models.md``): ``with_peers()`` puts that folder on
+``sys.path``; it is not on the path of the rest of the suite, so the extra's packages (triton,
+which torchtitan imports, among them) change nothing for other tests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".peers")
+VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 128, 64, 4, 2, 128, 2
+
+
+def with_peers() -> None:
+    """Put the peer libraries' folder on ``sys.path`` (first, so its pins win)."""
+    if os.path.isdir(PEERS) and PEERS not in sys.path:
+        sys.path.insert(0, PEERS)
+        importlib.invalidate_caches()
+
+
+def version(dist: str) -> str:
+    with_peers()
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _titan_layers(builder: Callable, **kw) -> list:
+    """torchtitan's own layer builder, with SDPA (causal, GQA by ``enable_gqa``) as the inner
+    attention: its language-model configs only name FlexAttention and varlen backends, whose
+    masks are built outside the model; the SDPA module is the library's own."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    layers = builder(attn_backend="flex", **kw)
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def titan_llama3() -> nn.Module:
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    layers = _titan_layers(
+        _build_llama3_layers,
+        fuse_qkv=True,
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        hidden_dim=HIDDEN,
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=256, theta=500000),
+    )
+    return Llama3Model.Config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=layers,
+    ).build()
+
+
+def titan_qwen3() -> nn.Module:
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
+
+    head_dim = 16
+    layers = _titan_layers(
+        _build_qwen3_layers,
+        fuse_qkv=True,
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        head_dim=head_dim,
+        hidden_dim=HIDDEN,
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=256, theta=1000000.0),
+    )
+    return Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=_qwen3_norm(DIM),
+        enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=layers,
+    ).build()
+
+
+# the arguments torchtune's model builders share
+_TUNE = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=DIM, max_seq_len=256)
+
+
+def tune_llama3() -> nn.Module:
+    from torchtune.models.llama3 import llama3
+
+    return llama3(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
+
+
+def tune_qwen2() -> nn.Module:
+    from torchtune.models.qwen2 import qwen2
+
+    return qwen2(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
+
+
+def tune_gemma(kv_heads: int = KV_HEADS) -> nn.Module:
+    from torchtune.models.gemma import gemma
+
+    return gemma(**_TUNE, head_dim=DIM // HEADS, num_kv_heads=kv_heads, intermediate_dim=HIDDEN)
+
+
+def tune_gemma_mqa() -> nn.Module:
+    return tune_gemma(kv_heads=1)  # Gemma-2B's multi-query attention
+
+
+def einsum_decoder() -> nn.Module:
+    from tests.einsum_model import EinsumDecoder
+
+    return EinsumDecoder(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
+
+
+# name -> (builder, the distribution whose version the table names, what it exercises)
+PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
+    "torchtitan llama3": (titan_llama3, "torchtitan", "fused wqkv with GQA, complex RoPE"),
+    "torchtitan qwen3": (titan_qwen3, "torchtitan", "fused wqkv with GQA, q/k RMSNorm, tied"),
+    "torchtune llama3": (tune_llama3, "torchtune", "GQA by view + expand + reshape"),
+    "torchtune qwen2": (tune_qwen2, "torchtune", "GQA by view + expand, q/k/v biases"),
+    "torchtune gemma": (tune_gemma, "torchtune", "GELU-tanh GLU, scaled embedding"),
+    "torchtune gemma mqa": (tune_gemma_mqa, "torchtune", "multi-query attention (one KV head)"),
+    "einsum decoder": (einsum_decoder, "tspc", "einsum attention and an einsum GLU, chunked"),
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """The model ``name`` with deterministic random weights: every matrix N(0, 0.05), every
+    vector 1 + N(0, 0.1) (norm scales), the embedding N(0, 1)."""
+    with_peers()
+    model = PEER_MODELS[name][0]()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                std = 1.0 if "embed" in pname else 0.05
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model.float()
