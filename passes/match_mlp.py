@@ -270,16 +270,30 @@ def _in_block(module: str, blocks: dict[str, str]) -> tuple[str, str] | None:
 
 
 def match_mlp(
-    gm: fx.GraphModule, info: GraphInfo, world: int, claimed: set[fx.Node] = frozenset()
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    world: int,
+    claimed: set[fx.Node] = frozenset(),
+    moe_blocks: dict[str, Skip | None] | None = None,
 ) -> tuple[list[MlpMatch], list[Skip]]:
-    """Find MLPs the ring can run; ``claimed`` holds projections already owned by attention."""
+    """Find MLPs the ring can run; ``claimed`` holds projections already owned by attention.
+    ``moe_blocks`` (``passes/match_moe.py``): MoE blocks whose experts run expert-parallel
+    (None: the MLPs inside them, shared experts, are matched as usual) or the reason they
+    cannot (reported instead of the generic one)."""
     params = info.params
     matches: list[MlpMatch] = []
     skips: list[Skip] = []
     used: set[fx.Node] = set(claimed)
     moe = find_moe_blocks(gm, params)
+    fixes: dict[str, str] = {}
+    for block, why in (moe_blocks or {}).items():
+        for inner in [b for b in moe if b == block or b.startswith(block + ".")]:
+            del moe[inner]
+        if why is not None:
+            moe[block] = why.reason
+            fixes[block] = why.fix
     natures: dict[fx.Node, Nature] = {}  # each node classified once per graph
-    skips += [Skip("mlp", module, reason) for module, reason in moe.items()]
+    skips += [Skip("mlp", module, reason, fix=fixes.get(module, "")) for module, reason in moe.items()]
     reported = set(moe)
     for node in list(gm.graph.nodes):
         down = as_linear(node, params)

@@ -47,13 +47,14 @@ from .seq_ops import (
 from .seq_rules_attention import RULES as ATTENTION_RULES
 from .seq_rules_math import RULES as MATH_RULES
 from .seq_rules_math import rule_along_dim, rule_elementwise, rule_reduction
+from .seq_rules_moe import RULES as MOE_RULES
 from .seq_rules_shape import RULES as SHAPE_RULES
 
 if TYPE_CHECKING:
     from .shard_sequence import SeqShardReport
 
 # Rules for named ops; elementwise, along-a-dim and reduction ops go by their tables.
-RULES = rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES)
+RULES = rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, MOE_RULES)
 
 
 class SequencePropagator:
