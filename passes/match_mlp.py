@@ -287,11 +287,13 @@ def match_mlp(
     moe = find_moe_blocks(gm, params)
     fixes: dict[str, str] = {}
     for block, why in (moe_blocks or {}).items():
-        for inner in [b for b in moe if b == block or b.startswith(block + ".")]:
-            del moe[inner]
-        if why is not None:
-            moe[block] = why.reason
-            fixes[block] = why.fix
+        related = [b for b in moe if _nested(b, block)]
+        for b in related:
+            del moe[b]
+        if why is not None:  # reported once, under the outermost name of the block
+            name = min([block, *related], key=len)
+            moe[name] = why.reason
+            fixes[name] = why.fix
     natures: dict[fx.Node, Nature] = {}  # each node classified once per graph
     skips += [Skip("mlp", module, reason, fix=fixes.get(module, "")) for module, reason in moe.items()]
     reported = set(moe)
@@ -318,6 +320,11 @@ def match_mlp(
         used |= nodes
         matches.append(out)
     return matches, skips
+
+
+def _nested(a: str, b: str) -> bool:
+    """One module is the other or lies inside it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".") or "" in (a, b)
 
 
 def _module(lin: Linear, params) -> str:

@@ -128,7 +128,11 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
     """The experts computation applying the stacked weights ``w_a`` and ``w_b``."""
     found = [_grouped_mm_of(w_a), _grouped_mm_of(w_b)]
     if None in found:
-        raise _NoMatch("the stacked experts are not applied by a grouped matmul")
+        raise _NoMatch(
+            "the stacked experts are not applied by a grouped matmul over tokens sorted by "
+            "expert (Llama-4 runs every expert on every token with bmm, its router scores "
+            "scaling the experts' input): no expert-parallel form"
+        )
     (mm_a, o_a), (mm_b, o_b) = found
     first, second = ((w_a, mm_a, o_a), (w_b, mm_b, o_b))
     if mm_b < mm_a:

@@ -152,3 +152,79 @@ def _check(rows_by_rank: list[list[dict]], world: int) -> None:
 def test_moe_families_equal_one_process(world):
     rows = spawn(moe_worker, world, list(MOE_FAMILIES), timeout=900)
     _check(rows, world)
+
+
+def training_worker(rank: int, world: int, family: str, overrides: dict) -> dict:
+    """Logits, the router's auxiliary loss and the loss with it, gradients, then 3 AdamW
+    steps, against one process; the parameters' live bytes on this rank against one
+    process's."""
+    _quiet()
+    from tests.helpers import adamw_side_by_side
+    from tspc.tools.memory import state_bytes
+
+    torch._dynamo.reset()
+    ref, model = build(family, **overrides), build(family, **overrides)
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, backend="tsp", fullgraph=True)
+
+    def run(m):
+        out = m(input_ids=ids, labels=ids, output_router_logits=True)
+        return out.loss, out.aux_loss, out.logits
+
+    loss_ref, aux_ref, logits_ref = run(ref)
+    loss, aux, logits = run(compiled)
+    loss_ref.backward()
+    loss.backward()
+    err, owned = grad_error(ref, model)
+    opt_ref, opt = adamw_side_by_side(
+        ref.parameters(), model.parameters(), lambda: run(ref)[0], lambda: run(compiled)[0]
+    )
+    from torch.distributed.tensor import DTensor
+
+    after = 0.0
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        after = max(after, ((full - p_ref).abs().max() / p_ref.abs().max()).item())
+    import tspc
+
+    mlp = [(e.module, e.status, e.reason) for e in tspc.last_report().entries if e.kind == "mlp"]
+    return {
+        "logits": ((logits - logits_ref).abs().max() / logits_ref.abs().max()).item(),
+        "aux": abs(aux.item() - aux_ref.item()) / abs(aux_ref.item()),
+        "loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+        "grads": err,
+        "owned": {k: v for k, v in owned.items() if "experts" in k},
+        "after_3_steps": after,
+        "weights_ratio": state_bytes(model)["parameters"] / state_bytes(ref)["parameters"],
+        "mlp": mlp,
+    }
+
+
+def _check_training(rows: list[dict]) -> None:
+    for r in rows:
+        assert r["logits"] < 1e-5 and r["loss"] < 1e-5, r
+        assert r["aux"] < 1e-5, r  # a sequence reduction across ranks, equal to one process's
+        assert r["grads"] < 1e-4, r
+        assert r["after_3_steps"] < 1e-4, r
+        assert all(s == "matched" for _, s, _ in r["mlp"]), r["mlp"]
+
+
+@pytest.mark.slow
+def test_moe_uneven_experts_aux_loss_and_adamw_d2():
+    """E = 3 experts on D = 2 ranks: ``torch.chunk``'s uneven split (rank 0 experts 0-1,
+    rank 1 expert 2), a ``Shard(0)`` DTensor like DTensor's own uneven sharding."""
+    rows = spawn(training_worker, 2, "mixtral", {"num_local_experts": 3}, timeout=900)
+    _check_training(rows)
+    assert rows[0]["owned"]["model.layers.0.mlp.experts.gate_up_proj"] == [(0, 0, 2)]
+    assert rows[1]["owned"]["model.layers.0.mlp.experts.gate_up_proj"] == [(0, 2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_moe_adamw_and_weights_per_rank_d4():
+    """D = 4, 8 experts of intermediate 128: 3 AdamW steps equal one process, and the
+    parameters' live storages on each rank are at most 0.3 of one process's."""
+    big = {"num_local_experts": 8, "intermediate_size": 128}
+    rows = spawn(training_worker, 4, "mixtral", big, timeout=1200)
+    _check_training(rows)
+    assert all(r["weights_ratio"] <= 0.3 for r in rows), [r["weights_ratio"] for r in rows]
