@@ -295,7 +295,9 @@ def match_mlp(
             moe[name] = why.reason
             fixes[name] = why.fix
     natures: dict[fx.Node, Nature] = {}  # each node classified once per graph
-    skips += [Skip("mlp", module, reason, fix=fixes.get(module, "")) for module, reason in moe.items()]
+    skips += [
+        Skip("mlp", module, reason, fix=fixes.get(module, "")) for module, reason in moe.items()
+    ]
     reported = set(moe)
     for node in list(gm.graph.nodes):
         down = as_linear(node, params)

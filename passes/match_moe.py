@@ -79,7 +79,9 @@ def _grouped_mm_of(param: fx.Node) -> tuple[fx.Node, str] | None:
                 return u, "t" if flips % 2 else "n"
             if name in _TRANSPOSES:
                 dims = [a for a in u.args[1:] if isinstance(a, int)]
-                swap = name == "t" or (name == "transpose" and sorted(d % 3 for d in dims) == [1, 2])
+                swap = name == "t" or (
+                    name == "transpose" and sorted(d % 3 for d in dims) == [1, 2]
+                )
                 if name == "permute":
                     swap = list(u.args[1:]) in ([0, 2, 1], [[0, 2, 1]], [(0, 2, 1)])
                 work.append((u, flips + (1 if swap else 0)))
@@ -108,7 +110,7 @@ def _rows_of(mm_input: fx.Node) -> fx.Node:
     raise _NoMatch("the first expert matmul does not read rows of one hidden state")
 
 
-def _is_constant(node: fx.Node) -> bool:
+def is_constant(node: fx.Node) -> bool:
     """Built inside the graph from no input (``arange``, ``zeros``): the same at any D."""
     return not any(n.op == "placeholder" for n in reachable([node], forward=False))
 
@@ -163,7 +165,7 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
     chain_nodes = _ancestors(mm2_in, mm1) & reachable([mm1], within=None) - {mm1}
     for n in chain_nodes:
         for i in tensor_inputs(n, include_tuples=True):
-            if i is not mm1 and i not in chain_nodes and not _is_constant(i):
+            if i is not mm1 and i not in chain_nodes and not is_constant(i):
                 raise _NoMatch(f"the activation between the expert matmuls reads {i.name}")
         if op_name(n) in ("sum", "mean", "softmax", "cumsum", "sort", "topk", "amax", "max"):
             raise _NoMatch(f"{n.name} between the expert matmuls is not row-wise")
@@ -228,7 +230,7 @@ def _router_weights(region, x, ids, w1, w2, pairs: int) -> fx.Node:
     outside = []
     for n in sorted(region - {ids}):
         for i in tensor_inputs(n, include_tuples=True):
-            if i in region or i in (x, ids, w1, w2) or i in outside or _is_constant(i):
+            if i in region or i in (x, ids, w1, w2) or i in outside or is_constant(i):
                 continue
             outside.append(i)
     weights = [i for i in outside if (v := val(i)) is not None and v.numel() == pairs]
@@ -260,8 +262,14 @@ def match_moe(gm: fx.GraphModule, info: GraphInfo, world: int) -> tuple[list[Moe
     for block, stacked in stacked_pairs(gm, params).items():
         if len(stacked) != 2:
             names = ", ".join(params[p].fqn for p in stacked)
-            skips.append(Skip("mlp", block, f"mixture of experts: {len(stacked)} stacked "
-                              f"parameters ({names}); expert parallelism takes two (no biases)"))
+            skips.append(
+                Skip(
+                    "mlp",
+                    block,
+                    f"mixture of experts: {len(stacked)} stacked "
+                    f"parameters ({names}); expert parallelism takes two (no biases)",
+                )
+            )
             continue
         try:
             m = match_one(stacked[0], stacked[1], params)

@@ -26,9 +26,9 @@ from tspc.runtime.moe import owned_experts
 from tspc.runtime.ring_mlp import register_chain
 from tspc.runtime.shard_store import ShardSpec
 
-from .analyse import GraphInfo, defer_recompile
-from .graph_utils import has_side_effects, mutated_args, shape, tensor_val
-from .match_moe import MoeMatch
+from .analyse import defer_recompile
+from .graph_utils import mutated_args, shape, tensor_val
+from .match_moe import MoeMatch, is_constant
 from .shard_inputs import ShardInputs
 
 
@@ -141,10 +141,10 @@ def _erase_region(g: fx.Graph, m: MoeMatch) -> None:
     for n in list(g.nodes):
         if n in candidates or n.op != "call_function":
             continue
-        ins = set(n.all_input_nodes)
-        if ins and ins <= candidates | keep and has_side_effects(n):
-            if all(a in candidates for a in mutated_args(n)):
-                candidates.add(n)
+        ins = {i for i in n.all_input_nodes if not is_constant(i)}
+        writes = mutated_args(n)
+        if ins and ins <= candidates | keep and writes and all(a in candidates for a in writes):
+            candidates.add(n)
     changed = True
     while changed:
         changed = False

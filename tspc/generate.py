@@ -316,11 +316,6 @@ def _tp_plan(model: nn.Module) -> _TPPlan:
             if tp is None:
                 continue
             placement = tp.placement
-            if placement[0] == "shard" and p.dim() == 3:  # passes/match_moe.py
-                raise GenerateUnsupportedError(
-                    f"tspc: {fqn}.{name} holds stacked experts sharded by expert (mixture of "
-                    "experts on the TSP axis): decoding them on the shards is not supported yet"
-                )
             if placement[0] == "strided" or (
                 placement[0] == "shard" and not isinstance(mod, nn.Linear)
             ):
