@@ -165,7 +165,7 @@ def end_to_end(device: str, cfg: ModelShape, seq: int, iters: int, inner: str) -
     if device != "cuda":
         backends[0] = ("eager", None, None)  # no Inductor compile on the smoke path
     for name, backend, options in backends:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = reference_model(cfg).to(device=device, dtype=torch.bfloat16)
         n_params = sum(p.numel() for p in model.parameters()) / 1e9
         step_model = _WithLoss(model)

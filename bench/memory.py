@@ -479,7 +479,7 @@ def _devices_in(table: Table) -> list[int]:
 
 
 def markdown_table(table: Table) -> str:
-    """The same table as GitHub markdown (for the README)."""
+    """The same table as GitHub markdown (for docs/memory.md)."""
     ref = table.reference_or_none
     head = "| scheme | D | peak MB | x one | x(one/D) | " + " | ".join(c for c, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (5 + len(COLUMNS))]

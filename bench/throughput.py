@@ -308,7 +308,7 @@ def parallel_worker(rank: int, world: int, plan: Plan) -> dict[str, Any]:
         (plan.long, ["tsp", "tsp_no_overlap", "tsp_no_comm", "tp_sp", "tp"]),
         (plan.short, ["tsp", "tp_sp", "tp"]),
     ):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         runners = [build_runner(k, plan.model, plan.inner, fake_group) for k in keys]
         time_round_robin(runners, tokens, plan.model.vocab, plan, barrier=dist.barrier)
         out[tokens.name] = {r.key: {"times": r.times, "compile_s": r.compile_s} for r in runners}
@@ -349,7 +349,7 @@ def compile_time_worker(queue, plan: Plan, world: int) -> None:
     ids, targets = _data(plan.compile_tokens, plan.compile_model.vocab)
     result: dict[str, float] = {}
     for key in ("aot_eager", "tsp", "aot_eager_again", "tsp_again"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = LossModel(reference_model(plan.compile_model))
         if key.startswith("tsp"):
             run = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from tspc.runtime.compat import OpOverload, TorchDispatchMode, tree_map_only
+from tspc.runtime.compat import OpOverload, TorchDispatchMode, op_schema, tree_map_only
 
 from .graph_utils import fake_inputs, op_name, tensor_val
 
@@ -107,7 +107,7 @@ def nature(node: fx.Node) -> Nature:
         if torch.Tag.nondeterministic_seeded in op.tags:
             return Nature("other", f"{name} draws random numbers ({op})", random=True)
     for op in ops:
-        if op._schema.is_mutable:
+        if op_schema(op).is_mutable:
             # the ring saves each shard's projections for backward: an in-place chain would
             # overwrite them (it runs with replicated weights instead)
             return Nature("other", f"{name} works in place ({op})")

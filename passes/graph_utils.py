@@ -12,7 +12,15 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from tspc.runtime.compat import OpOverload, OpOverloadPacket, interpreter_state_functions
+from tspc.runtime.compat import (
+    OpOverload,
+    OpOverloadPacket,
+    interpreter_state_functions,
+    is_erased,
+    op_base_name,
+    op_packet_qualified_name,
+    op_schema,
+)
 from tspc.runtime.packing import unpack
 
 # Spellings Dynamo uses for the same operation, mapped to one canonical name.
@@ -41,9 +49,9 @@ def op_name(node: fx.Node) -> str | None:
     if node.op == "call_function":
         t = node.target
         if isinstance(t, OpOverload):
-            name = t._opname
+            name = op_base_name(t)
         elif isinstance(t, OpOverloadPacket):
-            name = t._qualified_op_name.split("::")[-1]
+            name = op_packet_qualified_name(t).split("::")[-1]
         else:
             name = getattr(t, "__name__", None)
         if name is None:
@@ -122,7 +130,7 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
     if isinstance(t, OpOverload):
         return [
             v
-            for a, v in zip(t._schema.arguments, n.args)
+            for a, v in zip(op_schema(t).arguments, n.args)
             if a.alias_info is not None and a.alias_info.is_write and isinstance(v, fx.Node)
         ]
     name = getattr(t, "__name__", "")
@@ -272,7 +280,7 @@ def erase_unused(graph: fx.Graph, nodes: Any) -> int:
     while work:
         n = work.pop()
         if (
-            n._erased  # already gone (here, or by the caller)
+            is_erased(n)  # already gone (here, or by the caller)
             or n.graph is not graph
             or n.op in ("placeholder", "output")
             or n.users

@@ -14,7 +14,9 @@ For r = 0..D-1 (one step per head group):
 Only one head group's gathered K/V is alive at a time. At D = 1 the same clone runs once with
 the original weights and no communication.
 
-The head-local check (``passes/head_plan.py``) is a propagation like the sequence one: every
+What to emit is decided first, from numbers only (``passes/attention_plan.py``: the packs, K/V
+sharing, sweeps, the predicted bytes), then emitted here. The head-local check
+(``passes/head_plan.py``) is a propagation like the sequence one: every
 value in the region must carry the head factor whole in one dimension, and nothing may mix
 heads. A region that fails the check is left as the sequence pass made it (SP: replicated
 weights) and reported as skipped with the reason.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -38,6 +39,13 @@ from tspc.runtime.packing import pack, unpack
 from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import GraphInfo, defer_recompile
+from .attention_plan import (
+    AttentionPlan,
+    AttentionRewrite,
+    AttentionSpec,
+    ProjectionSlots,
+    plan_attention,
+)
 from .graph_utils import (
     arg,
     erase_unused,
@@ -52,37 +60,16 @@ from .head_plan import (
     HeadPlan,
     NotHeadLocal,
     head_rows,
-    local_heads,
     plan_heads,
     post_chain,
     region_between,
 )
-from .held_whole import kv_heads_fix
 from .layout import (
     reduced_dims,
 )
-from .match_attention import AttentionMatch, Projection, Skip, projection_input
+from .match_attention import AttentionMatch, Skip, projection_input
 from .seq_rules_attention import sdpa_local_queries
 from .shard_inputs import ShardInputs
-
-
-@dataclass
-class AttentionRewrite:
-    module: str
-    steps: int
-    broadcasts: int
-    kv_gathers: int
-    local_heads: int
-    local_kv_heads: int
-    kernel: str
-    shard_numel: int
-    predicted_recv_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-    # the model's own KV head count where the schedule moves more (K/V expanded before the
-    # head-local ops): what the paper's formula counts
-    model_kv_heads: int = 0
-    # (reason, fix) when some of its weights are held whole for a reason the user can change
-    held_whole: tuple[str, str] | None = None
 
 
 def _find_gather(root: fx.Node) -> fx.Node | None:
@@ -120,31 +107,54 @@ def _ancestors_within(nodes: list[fx.Node], region: set[fx.Node]) -> set[fx.Node
     return reachable(nodes, forward=False, within=region)
 
 
+def attention_spec(
+    info: GraphInfo, m: AttentionMatch, group: TSPGroup, kernel: str, cross: dict
+) -> AttentionSpec:
+    """The numbers of matched attention ``m`` that its plan is made from."""
+    q_key = m.q.key()
+    k_local = tensor_val(m.k_root)
+    fused = m.q.key() == m.k.key() == m.v.key()
+    return AttentionSpec(
+        module=m.module,
+        world=group.size,
+        rank=group.rank,
+        q_heads=m.q_heads,
+        kv_heads=m.kv_heads,
+        head_dim=m.head_dim,
+        projections=tuple(
+            ProjectionSlots(
+                n_heads=p.n_heads,
+                row_start=p.row_start,
+                row_stop=p.row_stop,
+                weight_shape=tuple(shape(p.weight)),
+                feature_dim=p.feature_dim,
+                has_bias=p.bias is not None,
+                kv_only=p.key() != q_key,
+                fqn=info.params[p.weight].fqn if p.weight in info.params else "",
+            )
+            for p in m.projections()
+        ),
+        o_shape=tuple(shape(m.o_weight)),
+        o_transposed=m.o_transposed,
+        elem_size=tensor_val(m.o_weight).element_size(),
+        k_numel=k_local.numel(),
+        k_elem_size=k_local.element_size(),
+        kernel=kernel,
+        cross=tuple((n.name, kind) for n, kind in cross.items()),
+        fused_q_heads=m.q.n_heads if fused else 0,
+    )
+
+
 def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) -> AttentionRewrite:
+    """The region's head placement (``head_plan.py``), the schedule's plan
+    (``attention_plan.py``: what each step packs and moves), then the graph surgery: the packs,
+    each head group's clone of the region, its K/V gathers and attention, the partial outputs'
+    sum, the values other code reads, and the removal of what the schedule replaced."""
     g = gm.graph
     D, rank = group.size, group.rank
     attention = m.sdpa
-    d = m.head_dim
     projections = m.projections()
     sources = {p.out: p for p in projections}
-    q_key = m.q.key()
-    # Fewer KV heads than ranks: D / Hkv consecutive head groups share one KV head; its K/V
-    # are computed and gathered once, in the step of the first of those groups (the
-    # "primary"), and reused by the following groups, so the K/V bytes stay 2*B*S*h_kv.
-    # Separate K/V projection weights stay whole on every rank (a replicated parameter, its
-    # gradient summed in-graph): one owner per head would be no DTensor placement, and every
-    # rank already holding them saves their broadcast. A fused projection keeps its K/V rows
-    # in the primary's pack.
-    shared_kv = m.kv_heads % D != 0
-    span = D // m.kv_heads if shared_kv else 1
-
-    def kv_only(p: Projection) -> bool:
-        return p.key() != q_key
-
-    replicated_kv = [p for p in projections if shared_kv and kv_only(p)]
-
-    def primary(r: int) -> bool:
-        return r % span == 0
 
     k_gather = _find_gather(m.k_root) if D > 1 else None
     v_gather = _find_gather(m.v_root) if D > 1 else None
@@ -154,139 +164,26 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     q_in = arg(attention, 0, "query")
     region = region_between(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
-    plan = plan_heads(m, D, attention, region, sources, projections)
+    heads = plan_heads(m, D, attention, region, sources, projections)
     post = post_chain(attention, m.o_linear)
-    plan.plan_post(post)
+    heads.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
         [q_in], region_only
     )
 
-    # Attention arguments as the sequence pass left them.
-    key_valid = exact_rows = None
-    if attention.target is causal_attention:
-        kind, mask, scale = "zigzag_causal", None, attention.args[4]
-        key_valid = attention.args[3]
-    elif attention.target is sdpa_local_queries:
-        kind, mask, scale = "sdpa_masked_rows", attention.args[3], attention.args[5]
-        exact_rows = attention.args[7] if len(attention.args) > 7 else None  # masked_attention
-    else:
-        kind, mask, scale = "sdpa", arg(attention, 3, "attn_mask"), arg(attention, 6, "scale")
-    if scale is None:
-        scale = default_scale(d)
-
-    # ---- what each step's pack holds: (name, full parameter node, the slice of it)
-    def components(r: int) -> list[tuple[str, fx.Node, ShardSpec]]:
-        out = []
-        for i, p in enumerate(projections):
-            if p in replicated_kv or (shared_kv and kv_only(p) and not primary(r)):
-                continue
-            a, b = head_rows(p, r, D)
-            out.append((f"p{i}_w", p.weight, ShardSpec(p.feature_dim, a, b)))
-            if p.bias is not None:
-                out.append((f"p{i}_b", p.bias, ShardSpec(0, a, b)))
-        hq_l = m.q_heads // D
-        o_in_dim = 0 if m.o_transposed else 1  # the weight dim of the heads' features
-        out.append(("o_w", m.o_weight, ShardSpec(o_in_dim, r * hq_l * d, (r + 1) * hq_l * d)))
-        return out
-
-    def comp_shape(pnode: fx.Node, spec: ShardSpec) -> tuple[int, ...]:
-        s = list(shape(pnode))
-        s[spec.dim] = spec.stop - spec.start
-        return tuple(s)
-
-    step_comps = [components(r) for r in range(D)]
-    step_shapes = [[comp_shape(pn, sp) for _, pn, sp in c] for c in step_comps]
-    step_numel = [sum(math.prod(s) for s in shapes) for shapes in step_shapes]
-    # With statistics over all heads (plan.cross) the layer sweeps the head groups twice:
-    # the first sweep's broadcasts carry the Q/K/V slices, the second's the O slice. Every
-    # weight still moves once; each rank keeps its own tokens' projections of every group
-    # between the sweeps (the activations one process keeps for its backward anyway).
-    sweeps = [lambda name: name != "o_w", lambda name: name == "o_w"] if plan.cross else [None]
-
-    def sweep_part(r: int, k: int) -> tuple[list, list, int]:
-        keep = sweeps[k]
-        idx = [i for i, (name, _, _) in enumerate(step_comps[r]) if keep is None or keep(name)]
-        shapes = [step_shapes[r][i] for i in idx]
-        return [step_comps[r][i] for i in idx], shapes, sum(math.prod(x) for x in shapes)
+    kind, mask, scale, key_valid, exact_rows = _kernel_args(attention, m.head_dim)
+    plan = plan_attention(attention_spec(info, m, group, kind, heads.cross))
+    shared_kv, span = plan.shared_kv, plan.span
+    replicated_kv = [projections[i] for i in plan.replicated_kv]
+    params = {f"p{i}_w": p.weight for i, p in enumerate(projections)}
+    params |= {f"p{i}_b": p.bias for i, p in enumerate(projections) if p.bias is not None}
+    params["o_w"] = m.o_weight
 
     order = {n: i for i, n in enumerate(g.nodes)}
     first_use = min(region + [m.o_linear], key=order.__getitem__)
-    pack_nodes: list[fx.Node | None] = [None] * len(sweeps)
-    shard_numel = 0
-    if D > 1:
-        # every rank's slices of each parameter: the pack of step r is rank r's
-        layouts: dict[fx.Node, list[list[ShardSpec]]] = {}
-        for r, c in enumerate(step_comps):
-            for _, pnode, spec in c:
-                layouts.setdefault(pnode, [[] for _ in range(D)])[r].append(spec)
-        for pnode, layout in layouts.items():
-            shards.declare(pnode, layout)
-        with g.inserting_before(first_use):
-            for k in range(len(sweeps)):
-                shard_nodes = []
-                for cname, pnode, spec in sweep_part(rank, k)[0]:
-                    node = shards.get(pnode, spec, f"tsp_{m.module.replace('.', '_')}_{cname}")
-                    shard_numel += math.prod(comp_shape(pnode, spec))
-                    shard_nodes.append(node)
-                pack_nodes[k] = g.call_function(pack, (shard_nodes,))
-
     tag = m.module
-    n_kv_groups = m.kv_heads if shared_kv else D
-    elem = tensor_val(m.o_weight).element_size()
-    k_local = tensor_val(m.k_root)
-    kv_group_bytes = (
-        k_local.numel() // m.kv_heads * local_heads(m.kv_heads, D) * (k_local.element_size())
-    )
-    ret = AttentionRewrite(
-        module=m.module,
-        steps=D * len(sweeps),
-        broadcasts=D * len(sweeps) if D > 1 else 0,
-        kv_gathers=2 * n_kv_groups if D > 1 else 0,
-        local_heads=m.q_heads // D,
-        local_kv_heads=local_heads(m.kv_heads, D),
-        kernel=kind,
-        shard_numel=shard_numel,
-        predicted_recv_bytes=(
-            sum(n for r, n in enumerate(step_numel) if r != rank) * elem
-            + 2 * n_kv_groups * (D - 1) * kv_group_bytes
-        )
-        if D > 1
-        else 0,
-    )
-    fused = m.q.key() == m.k.key() == m.v.key()
-    if fused and m.q.n_heads < m.kv_heads and D > 1:
-        # Falcon's grouped layout: the KV heads are expanded (broadcast_to) before RoPE, so
-        # the keys the schedule gathers already have the query heads' count
-        kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
-        extra = kv_bytes - kv_bytes * m.q.n_heads // m.kv_heads
-        ret.model_kv_heads = m.q.n_heads
-        ret.notes.append(
-            f"the model expands its {m.q.n_heads} K/V heads to {m.kv_heads} before the "
-            "head-local ops (RoPE) run on them, so each head group's K/V is gathered at that "
-            f"width: {extra} bytes more than the formula's 2*B*S*h_kv*d"
-        )
-    if plan.cross:
-        ret.notes.append(
-            "statistics over all heads ("
-            + ", ".join(f"'{n.name}' ({kind_})" for n, kind_ in plan.cross.items())
-            + f") before the attention: two sweeps over the {D} head groups, Q/K/V slices "
-            "broadcast in the first, O in the second (every weight moves once); each rank "
-            "keeps its tokens' projections of all head groups between them"
-        )
-    if replicated_kv and D > 1:
-        params = info.params
-        names = ", ".join(sorted({params[p.weight].fqn for p in replicated_kv}))
-        ret.held_whole = (
-            f"its {m.kv_heads} key/value heads are fewer than D={D}, so its K/V projection "
-            f"weights ({names}) are held whole on every rank",
-            kv_heads_fix(m.kv_heads),
-        )
-        ret.notes.append(
-            f"{m.kv_heads} KV heads on {D} ranks: the K/V projection weights stay whole on every "
-            "rank (replicated, not broadcast), so the layer receives "
-            f"{sum(_rows_numel(p) for p in replicated_kv) * (D - 1) // D * elem} "
-            "weight bytes fewer than the formula counts"
-        )
+    pack_nodes = _emit_packs(g, plan, params, shards, first_use, tag) if D > 1 else [None]
+
     region_set = region_only | set(post)
     old_gathers = [n for n in (k_gather, v_gather) if n is not None]
     # a padded sequence's gathers are cut back to the true length by a node of their own
@@ -301,18 +198,18 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     env_primary: dict[fx.Node, fx.Node] = {}
     kv_primary: tuple[fx.Node, fx.Node] | None = None
     gqa = m.kv_heads != m.q_heads
-    reduced = {n for n in region if plan.layout.get(n) is REDUCED}
+    reduced = {n for n in region if heads.layout.get(n) is REDUCED}
     after_stats = _descendants_within(list(reduced), region_only) - reduced
     envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(D)]
 
     def weights(r: int, k: int) -> dict[str, fx.Node]:
-        comps, shapes, numel = sweep_part(r, k)
-        return _step_weights(g, r, D, group, tag, pack_nodes[k], comps, shapes, numel)
+        comps = plan.sweep_part(r, k)
+        return _step_weights(g, r, D, group, tag, pack_nodes[k], comps, params)
 
     def project(r: int, ws: dict[str, fx.Node], nodes: list[fx.Node]) -> None:
         """Head group r's copies of ``nodes`` (region nodes, in graph order)."""
         env = envs[r]
-        reuse = shared_kv and not primary(r)
+        reuse = plan.reuses_kv(r)
         if not reuse:
             ws.update(_replicated_kv_weights(g, replicated_kv, projections, r, D))
         for node in nodes:
@@ -329,19 +226,19 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 if p.split_heads:
                     env[node] = g.call_function(torch.unflatten, (env[node], -1, (-1, p.unit)))
             else:
-                env[node] = _clone(g, node, env, plan, r, D)
+                env[node] = _clone(g, node, env, heads, r, D)
 
     with g.inserting_before(m.o_linear):
-        if plan.cross:
+        if heads.cross:
             # sweep 1: every group's projections; the statistics summed over the groups
             pre = [n for n in region if n not in reduced and n not in after_stats]
             totals: dict[fx.Node, fx.Node] = {}
             for r in range(D):
                 project(r, weights(r, 0), pre)
-                if primary(r):
+                if plan.primary(r):
                     env_primary = envs[r]
-                for c in plan.cross:
-                    if shared_kv and c in kv_nodes and not primary(r):
+                for c in heads.cross:
+                    if c in kv_nodes and plan.reuses_kv(r):
                         continue  # a shared KV head: counted once, by its first group
                     dims, keep = arg(c, 1, "dim"), arg(c, 2, "keepdim", False)
                     part = g.call_function(torch.sum, (envs[r][c.args[0]], dims, keep))
@@ -349,7 +246,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                         part if c not in totals else g.call_function(torch.add, (totals[c], part))
                     )
             stats: dict[fx.Node, fx.Node] = {}
-            for c, kind_ in plan.cross.items():
+            for c, kind_ in heads.cross.items():
                 stats[c] = totals[c]
                 if kind_ == "mean":
                     x_shape = shape(c.args[0])
@@ -359,16 +256,16 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                     stats[c] = g.call_function(torch.div, (totals[c], count))
             for n in region:
                 if n in reduced and n not in stats:
-                    stats[n] = _clone(g, n, stats, plan, 0, D)
+                    stats[n] = _clone(g, n, stats, heads, 0, D)
             rest, second = [n for n in region if n in after_stats], 1
         else:
             rest, second = region, 0
         for r in range(D):
             env = envs[r]
-            env.update(stats if plan.cross else {})
+            env.update(stats if heads.cross else {})
             ws = weights(r, second)
             project(r, ws, rest)
-            reuse = shared_kv and not primary(r)
+            reuse = plan.reuses_kv(r)
             q_r = env[q_in]
             if reuse:
                 k_full, v_full = kv_primary
@@ -379,7 +276,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
                 )
             else:
                 k_full, v_full = env[m.k_root], env[m.v_root]
-            if primary(r):
+            if plan.primary(r):
                 env_primary, kv_primary = env, (k_full, v_full)
             if kind == "zigzag_causal":
                 att = g.call_function(
@@ -407,7 +304,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             att.meta["tspc_step"] = r
             env[attention] = att
             for node in post:
-                env[node] = _clone(g, node, env, plan, r, D)
+                env[node] = _clone(g, node, env, heads, r, D)
             o_w = _as_out_in(g, ws["o_w"], m.o_transposed)
             part = g.call_function(F.linear, (env[post[-1]] if post else att, o_w))
             part.meta["tspc_role"] = "partial_output"
@@ -419,7 +316,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
         for n, per_step in escapes.items():
             # A value the rest of the graph also uses (a KV cache output, say): the groups'
             # parts side by side along the head dimension, each shared KV head once.
-            sh = plan.layout[n]
+            sh = heads.layout[n]
             parts = per_step[::span] if (shared_kv and n in kv_nodes) else per_step
             if len(parts) == 1 or sh is WHOLE:
                 cat = parts[0]
@@ -432,23 +329,61 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
             # as they exist): they move after the value that now feeds them.
             sink_after(cat, outside)
     m.o_linear.replace_all_uses_with(out)
-    # Remove what the schedule replaced. The old gathers are side-effectful (dead-code
-    # elimination keeps them), so they are erased explicitly, users first.
     replaced = region_set | set(m.repeat_nodes) | {m.o_linear, attention}
-    replaced |= set(old_gathers) | {n.args[0] for n in old_gathers if _is_gather_wait(n)}
+    _erase_replaced(g, replaced, old_gathers)
+    defer_recompile(gm)  # once for all layers, by the next shape propagation
+    return plan.report
+
+
+def _kernel_args(attention: fx.Node, head_dim: int):
+    """The attention's kernel (zigzag_causal | sdpa_masked_rows | sdpa) and its arguments as
+    the sequence pass left them: mask, scale, the keys' valid length, exact masked rows."""
+    key_valid = exact_rows = None
+    if attention.target is causal_attention:
+        kind, mask, scale = "zigzag_causal", None, attention.args[4]
+        key_valid = attention.args[3]
+    elif attention.target is sdpa_local_queries:
+        kind, mask, scale = "sdpa_masked_rows", attention.args[3], attention.args[5]
+        exact_rows = attention.args[7] if len(attention.args) > 7 else None  # masked_attention
+    else:
+        kind, mask, scale = "sdpa", arg(attention, 3, "attn_mask"), arg(attention, 6, "scale")
+    if scale is None:
+        scale = default_scale(head_dim)
+    return kind, mask, scale, key_valid, exact_rows
+
+
+def _emit_packs(g, plan: AttentionPlan, params, shards: ShardInputs, first_use, tag: str):
+    """Declare every rank's slices of each packed parameter (the pack of step r is rank r's)
+    and emit this rank's packs, one per sweep, before the layer's first node."""
+    D, rank = plan.spec.world, plan.spec.rank
+    layouts: dict[fx.Node, list[list[ShardSpec]]] = {}
+    for r, comps in enumerate(plan.steps):
+        for c in comps:
+            layouts.setdefault(params[c.name], [[] for _ in range(D)])[r].append(c.spec)
+    for pnode, layout in layouts.items():
+        shards.declare(pnode, layout)
+    pack_nodes = []
+    with g.inserting_before(first_use):
+        for k in range(plan.sweeps):
+            shard_nodes = [
+                shards.get(params[c.name], c.spec, f"tsp_{tag.replace('.', '_')}_{c.name}")
+                for c in plan.sweep_part(rank, k)
+            ]
+            pack_nodes.append(g.call_function(pack, (shard_nodes,)))
+    return pack_nodes
+
+
+def _erase_replaced(g, replaced: set[fx.Node], old_gathers: list[fx.Node]) -> None:
+    """Remove what the schedule replaced. The old gathers are side-effectful (dead-code
+    elimination keeps them), so they are erased explicitly, users first."""
+    replaced = replaced | set(old_gathers)
+    replaced |= {n.args[0] for n in old_gathers if _is_gather_wait(n)}
     upstream: list[fx.Node] = []
     for n in sorted(replaced, reverse=True):  # fx nodes order as in the graph: users first
         if not n.users:
             upstream += n.all_input_nodes
             g.erase_node(n)
     erase_unused(g, upstream)
-    defer_recompile(gm)  # once for all layers, by the next shape propagation
-    return ret
-
-
-def _rows_numel(p: Projection) -> int:
-    """Elements of the weight rows (output features) projection ``p`` uses."""
-    return p.rows * math.prod(shape(p.weight)) // shape(p.weight)[p.feature_dim]
 
 
 def _replicated_kv_weights(g, replicated, projections, r: int, D: int) -> dict[str, fx.Node]:
@@ -475,13 +410,16 @@ def _as_out_in(g, w: fx.Node, transposed: bool) -> fx.Node:
     return g.call_function(torch.t, (w,)) if transposed else w
 
 
-def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[str, fx.Node]:
+def _step_weights(g, r, D, group, tag, pack_node, comps, params) -> dict[str, fx.Node]:
     """Nodes for head group r's weights: unpacked from rank r's broadcast, or (D = 1) the
-    original parameters, sliced where a fused projection is only partly used."""
+    original parameters (``params``, by component name), sliced where a fused projection is
+    only partly used."""
     if D > 1:
-        # Every rank, the source included, runs the same nodes and uses the broadcast result:
-        # graphs must not differ in structure between ranks, or the order in which collectives
-        # are issued could differ and deadlock.
+        # Every rank, the source included, runs the same nodes and uses the broadcast result,
+        # so every rank issues the same collectives in the same order (else they deadlock).
+        # The backward graphs do differ between ranks: the source alone keeps the reduced
+        # weight gradient (runtime/comm.py) — but their collectives still run in one order.
+        numel = sum(c.numel for c in comps)
         h = g.call_function(
             torch.ops.tspc.broadcast_start.default, (pack_node, r, numel, group.name, D, tag)
         )
@@ -490,13 +428,13 @@ def _step_weights(g, r, D, group, tag, pack_node, comps, shapes, numel) -> dict[
         )
         weights.meta["tspc_role"] = "weight_broadcast"
         weights.meta["tspc_step"] = r
-        unpacked = g.call_function(unpack, (weights, shapes))
+        unpacked = g.call_function(unpack, (weights, [c.shape for c in comps]))
         return {
-            name: g.call_function(operator.getitem, (unpacked, i))
-            for i, (name, _, _) in enumerate(comps)
+            c.name: g.call_function(operator.getitem, (unpacked, i)) for i, c in enumerate(comps)
         }
     out = {}
-    for name, pnode, spec in comps:
+    for c in comps:
+        name, pnode, spec = c.name, params[c.name], c.spec
         if spec.start == 0 and spec.stop == shape(pnode)[spec.dim]:
             out[name] = pnode
         else:

@@ -71,7 +71,7 @@ from tspc.runtime.comm import (
     is_transfer_wait,
     wait_of,
 )
-from tspc.runtime.compat import OpOverload
+from tspc.runtime.compat import OpOverload, op_base_name
 from tspc.runtime.packing import pack
 
 from .graph_utils import calls_one_of, is_view, mutated_args
@@ -155,7 +155,7 @@ def is_heavy(n: fx.Node) -> bool:
         return False
     t = n.target
     if isinstance(t, OpOverload):
-        return bool(_HEAVY_ATEN.match(t._opname))
+        return bool(_HEAVY_ATEN.match(op_base_name(t)))
     return getattr(t, "__name__", "") in _HEAVY_FUNCTIONS
 
 

@@ -3,15 +3,14 @@
 One forward walk over the graph. Inputs with a dimension of the sequence length are cut to the
 local zigzag tokens; every node then gets a layout from the rule for its op (looked up by
 identity, ``seq_ops.py``; rules in ``seq_rules_math.py``, ``seq_rules_shape.py``,
-``seq_rules_attention.py``), or — no rule, or a rule that declines — its sharded inputs are
+``seq_rules_attention.py``, handed in as a ``RuleTable`` — the walk and its rules meet in
+``seq_rule_api.py`` and import neither each other), or — no rule, or a rule that declines — its sharded inputs are
 gathered and it runs replicated. The engine owns what rules share: the layout table, gathers
 (zigzag all-gather, padding dropped), slices of replicated values to the local tokens, padding
 fills, the K/V gather points of attention and the outputs' gathers.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -42,24 +41,14 @@ from .seq_ops import (
     in_table,
     is_elementwise,
     lookup,
-    rule_table,
 )
-from .seq_rules_attention import RULES as ATTENTION_RULES
-from .seq_rules_math import RULES as MATH_RULES
-from .seq_rules_math import rule_along_dim, rule_elementwise, rule_reduction
-from .seq_rules_moe import RULES as MOE_RULES
-from .seq_rules_shape import RULES as SHAPE_RULES
-
-if TYPE_CHECKING:
-    from .shard_sequence import SeqShardReport
-
-# Rules for named ops; elementwise, along-a-dim and reduction ops go by their tables.
-RULES = rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, MOE_RULES)
+from .seq_rule_api import RuleTable, SeqShardReport
 
 
-class SequencePropagator:
+class SequenceWalk:
     """The walk: a layout for every value (replicated or ``Sharded``), the op rules
-    (``seq_rules_*.py``) choosing each node's, and the gathers and slices they ask for."""
+    (``rules``, from ``seq_rules_*.py``) choosing each node's, and the gathers and slices they
+    ask for. It is what ``seq_rule_api.SequencePropagator`` describes to the rules."""
 
     def __init__(
         self,
@@ -70,6 +59,7 @@ class SequencePropagator:
         gather_outputs: bool,
         tags: dict[fx.Node, str],
         report: SeqShardReport,
+        rules: RuleTable,
     ):
         self.gm = gm
         self.g = gm.graph
@@ -85,6 +75,7 @@ class SequencePropagator:
         self.gather_outputs = gather_outputs
         self.tags = tags
         self.report = report
+        self.rules = rules
         self.layout: dict[fx.Node, object] = {}
         self._gathered: dict[fx.Node, fx.Node] = {}
         self._sliced: dict[tuple, fx.Node] = {}
@@ -278,17 +269,17 @@ class SequencePropagator:
         if node.op == "call_function" and in_table(node, NO_VALUE):
             self.layout[node] = None
             return
-        rule = lookup(node, RULES)
+        rule = lookup(node, self.rules.named)
         if rule is None:
             if is_elementwise(node):
-                rule = rule_elementwise
+                rule = self.rules.elementwise
             elif in_table(node, FACTORIES):
                 self.layout[node] = None
                 return
             elif in_table(node, ALONG_DIM):
-                rule = rule_along_dim
+                rule = self.rules.along_dim
             elif in_table(node, REDUCTIONS):
-                rule = rule_reduction
+                rule = self.rules.reduction
         if rule is None or rule(self, node) is False:
             name = op_name(node) or str(node.target)
             self.make_replicated(node, f"'{name}' is not known to keep tokens independent")

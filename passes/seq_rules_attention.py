@@ -23,7 +23,7 @@ from .match_attention import sdpa_args
 from .seq_ops import ATTENTION
 
 if TYPE_CHECKING:
-    from .seq_propagate import SequencePropagator
+    from .seq_rule_api import SequencePropagator
 
 
 def sdpa_local_queries(q, k, v, attn_mask, dropout_p, scale, enable_gqa, safe_softmax=None):

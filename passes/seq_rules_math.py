@@ -1,6 +1,6 @@
 """Sequence-sharding rules for math: elementwise ops, ops along one dim, reductions,
-projections, matmuls and norms. Each rule is ``rule(p, node)`` over the propagator ``p``
-(``seq_propagate.py``): it sets ``p.layout[node]`` and returns None, or returns False when the
+projections, matmuls and norms. Each rule is ``rule(p, node)`` over the walk ``p``
+(``seq_rule_api.SequencePropagator``): it sets ``p.layout[node]`` and returns None, or returns False when the
 op does not keep the tokens independent (the propagator then gathers its inputs)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .seq_ops import in_table, is_first_arg_only, is_inplace, resolve
 from .seq_rules_shape import acts_along
 
 if TYPE_CHECKING:
-    from .seq_propagate import SequencePropagator
+    from .seq_rule_api import SequencePropagator
 
 _MAX_MIN = resolve("max min argmax argmin".split())  # no dim: one value of all tokens
 _SUM = resolve(["sum"])

@@ -1,4 +1,4 @@
-"""Sequence rules of mixture-of-experts routing (``passes/seq_propagate.py``'s tables).
+"""Sequence rules of mixture-of-experts routing (the walk's table, ``shard_sequence.py``).
 
 * ``topk`` along a dim that is not the tokens' (each token's best experts) is token-wise: its
   values and indices keep the tokens split.
@@ -21,7 +21,7 @@ from .layout import Sharded
 from .seq_rules_shape import tokens_kept
 
 if TYPE_CHECKING:
-    from .seq_propagate import SequencePropagator
+    from .seq_rule_api import SequencePropagator
 
 
 def rule_topk(p: SequencePropagator, node: fx.Node):

@@ -23,7 +23,7 @@ from .layout import (
 )
 
 if TYPE_CHECKING:
-    from .seq_propagate import SequencePropagator
+    from .seq_rule_api import SequencePropagator
 
 
 # ---- shape ops

@@ -47,15 +47,14 @@ before any grouped-query head repetition, so only the KV heads move — and the 
 local. ``is_causal`` becomes the zigzag causal kernel (no mask tensor at all); an explicit mask is
 cut to the local query rows.
 
-Files: this one is the entry point (``shard_sequence``); the walk is ``seq_propagate.py``; which
-op is which, by identity, ``seq_ops.py``; the rules ``seq_rules_math.py`` (elementwise,
-reductions, projections, norms), ``seq_rules_shape.py`` (views, indexing, cat/split) and
-``seq_rules_attention.py`` (attention, token losses).
+Files: this one is the entry point (``shard_sequence``): it hands the walk
+(``seq_propagate.py``) its rules as a table; which op is which, by identity, ``seq_ops.py``; the
+rules ``seq_rules_math.py`` (elementwise, reductions, projections, norms), ``seq_rules_shape.py``
+(views, indexing, cat/split) and ``seq_rules_attention.py`` (attention, token losses); walk and
+rules meet in ``seq_rule_api.py`` (what a rule sees of the walk) and import neither each other.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -65,21 +64,26 @@ from tspc.runtime.zigzag import padded_length
 from .analyse import GraphInfo
 from .graph_utils import eliminate_dead_code, shape
 from .match_attention import sdpa_args
-from .seq_ops import ATTENTION, in_table
-from .seq_propagate import SequencePropagator
+from .seq_ops import ATTENTION, in_table, rule_table
+from .seq_propagate import SequenceWalk
+from .seq_rule_api import RuleTable, SeqShardReport
+from .seq_rules_attention import RULES as ATTENTION_RULES
 from .seq_rules_attention import sdpa_local_queries
+from .seq_rules_math import RULES as MATH_RULES
+from .seq_rules_math import rule_along_dim, rule_elementwise, rule_reduction
+from .seq_rules_moe import RULES as MOE_RULES
+from .seq_rules_shape import RULES as SHAPE_RULES
 
 __all__ = ["SeqShardReport", "find_sequence_length", "sdpa_local_queries", "shard_sequence"]
 
 
-@dataclass
-class SeqShardReport:
-    seq_len: int = 0
-    world: int = 1
-    padded_len: int = 0  # the length the ranks run: seq_len, or padded to a multiple of 2D
-    sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
-    gathers: list[dict] = field(default_factory=list)  # what was gathered, for which op, why
-    notes: list[str] = field(default_factory=list)
+# Rules for named ops; elementwise, along-a-dim and reduction ops go by their tables.
+RULES = RuleTable(
+    named=rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, MOE_RULES),
+    elementwise=rule_elementwise,
+    along_dim=rule_along_dim,
+    reduction=rule_reduction,
+)
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int | None:
@@ -133,7 +137,7 @@ def shard_sequence(
     report.padded_len = padded_length(seq_len, group.size)
     if report.padded_len != seq_len:
         report.notes.append(padding_note(seq_len, report.padded_len, group.size, gather_outputs))
-    prop = SequencePropagator(gm, info, seq_len, group, gather_outputs, tags or {}, report)
+    prop = SequenceWalk(gm, info, seq_len, group, gather_outputs, tags or {}, report, RULES)
     prop.run()
     eliminate_dead_code(gm.graph)
     gm.graph.lint()

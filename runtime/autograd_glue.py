@@ -43,8 +43,10 @@ class _ReplicatedOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # A multiply on every rank (not a branch) keeps the backward graph the same shape on
-        # all ranks, so their collectives are issued in the same order.
+        # A multiply on every rank rather than a branch on the rank. Nothing here needs the
+        # ranks' backward graphs to agree (they differ anyway: the weight broadcast's source
+        # alone keeps the reduced gradient, runtime/comm.py); what must agree is the order of
+        # the collectives, and this op issues none.
         return grad * (1.0 if ctx.rank == 0 else 0.0), None
 
 

@@ -10,6 +10,7 @@ entry points of the inner compiler and the tools' profiler internals are the two
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -109,6 +110,13 @@ def fake_process_group_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under ``name`` (the name functional collectives take)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def has_kernel_for_dispatch_key(op_name: str, key: str) -> bool:
@@ -243,6 +251,59 @@ def optimized_module_class() -> type:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return OptimizedModule
+
+
+def op_schema(op: OpOverload):
+    """The dispatcher schema of an op overload (its arguments, alias and mutation info)."""
+    return op._schema
+
+
+def op_base_name(op: OpOverload) -> str:
+    """``add`` of ``aten::add.Tensor``."""
+    return op._opname
+
+
+def op_packet_qualified_name(packet: OpOverloadPacket) -> str:
+    """``aten::add`` of the packet ``torch.ops.aten.add``."""
+    return packet._qualified_op_name
+
+
+def is_erased(node) -> bool:
+    """Whether an fx node has been erased from its graph."""
+    return node._erased
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (autograd's version counter)."""
+    return t._version
+
+
+def keep_boxed_call(wrapped, wrapper) -> None:
+    """Mark ``wrapper`` as taking its inputs boxed (one list) when ``wrapped`` does: aot
+    autograd's calling convention, read from the private ``_boxed_call`` flag."""
+    if getattr(wrapped, "_boxed_call", False):
+        wrapper._boxed_call = True
+
+
+def compiled_module_original(module):
+    """The user's module behind ``torch.compile(module)``'s wrapper (``OptimizedModule``)."""
+    return module._orig_mod
+
+
+def outermost_module_call():
+    """The outermost ``nn.Module`` whose ``__call__`` runs eagerly on the current Python stack
+    (None if none): frames are matched against the code of ``nn.Module``'s private call
+    implementations, the one place a module call shows on the stack."""
+    calls = (torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__)
+    found = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in calls:
+            m = frame.f_locals.get("self")
+            if isinstance(m, torch.nn.Module):
+                found = m
+        frame = frame.f_back
+    return found
 
 
 def symbolic_fake_mode(length: int, name: str):

@@ -118,6 +118,6 @@ def _plain(group) -> TSPGroup:
 
 def process_group(name: str) -> dist.ProcessGroup:
     """The ProcessGroup behind a TSPGroup name (called by the runtime ops, never by passes)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from .compat import resolve_process_group
 
-    return _resolve_process_group(name)
+    return resolve_process_group(name)

@@ -95,122 +95,34 @@ def _down(h: torch.Tensor, w: torch.Tensor, t: bool) -> torch.Tensor:
 class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_down, spec, rank, world, group, tag, *ins):
-        chain_key, orient, has_bias, save_projections, hop_chunks = spec
-        k = len(has_bias)
-        chain = chain_of(chain_key)
-        shards = [*ins[:k], w_down, *ins[k:]]  # up weights, down weight, up biases
-        shapes = [t.shape for t in shards]
+        shards = [*ins[: len(spec[2])], w_down, *ins[len(spec[2]) :]]  # ups, down, up biases
         x2 = x.reshape(-1, x.shape[-1])
-        bounds = _chunk_bounds(shards, orient, has_bias, hop_chunks) if world > 1 else []
-        if len(bounds) > 1:
-            y, saved = _forward_chunked(x2, shards, spec, bounds, world, group, tag)
-            ctx.save_for_backward(x, *shards, *saved)
-            ctx.meta = (len(shards), shapes, spec, rank, world, group, tag)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        own = pack(shards) if world > 1 else None
-        cur = own
-        y = None
-        saved = []
-        for t in range(world):
-            nxt = None
-            if t < world - 1:
-                # Issue the next hop before this step's compute: it travels while we compute.
-                nxt = torch.ops.tspc.ring_start(cur, 1, group, world, tag)
-            ws = unpack(cur, shapes) if world > 1 else shards
-            part = _shard_output(
-                x2, ws, chain, has_bias, orient, saved if save_projections else None
-            )
-            y = part if y is None else y + part
-            if nxt is not None:
-                cur = torch.ops.tspc.ring_wait(nxt, cur, 1, group, world, tag)
+        y, saved = _ring_forward(x2, shards, spec, world, group, tag)
         ctx.save_for_backward(x, *shards, *saved)
-        ctx.meta = (len(shards), shapes, spec, rank, world, group, tag)
+        ctx.meta = (len(shards), spec, world, group, tag)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        n_shards, shapes, spec, rank, world, group, tag = ctx.meta
-        chain_key, orient, has_bias, save_projections, hop_chunks = spec
-        k = len(has_bias)
-        chain = chain_of(chain_key)
+        n_shards, spec, world, group, tag = ctx.meta
+        k = len(spec[2])
         x, *rest = ctx.saved_tensors
         shards, saved = rest[:n_shards], rest[n_shards:]
         x2 = x.reshape(-1, x.shape[-1])
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        bounds = _chunk_bounds(shards, orient, has_bias, hop_chunks) if world > 1 else []
-        if len(bounds) > 1:
-            dx, g = _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag)
-            return dx.reshape(x.shape), g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
-        own = pack(shards) if world > 1 else None
-        # Backward step k handles forward step t = D-1-k, i.e. shard p+1+k. Its weights come
-        # from p+1 (shift -1); the last step's shard is our own.
-        if world > 1:
-            w_cur = torch.ops.tspc.ring_wait(
-                torch.ops.tspc.ring_start(own, -1, group, world, tag), own, -1, group, world, tag
-            )
-        acc_in = None  # the accumulator arriving from p+1 (its buffer, until its wait)
-        acc_out = None
-        dx = None
-        grad_own = None
-        for step in range(world):
-            t = world - 1 - step
-            last = step == world - 1
-            w_next = None
-            if world > 1 and step < world - 2:
-                w_next = torch.ops.tspc.ring_start(w_cur, -1, group, world, tag)
-            # The last step's shard is our own: read the saved shards themselves, so the packed
-            # copy ``own`` dies once its first hop has gone (not at the end of the ring).
-            ws = unpack(w_cur, shapes) if world > 1 and not last else list(shards)
-            # The chain's derivative: autograd's, on this shard's saved projections.
-            if save_projections:
-                ps = saved[k * t : k * (t + 1)]
-            else:  # recomputed from the weights this step received (the forward's shard t)
-                ps = _projections(x2, ws, has_bias, orient)
-            down_t = orient[k] == "t"
-            h, dps = _chain_backward(chain, ps, g2, ws[k], down_t)
-            # This step's weight gradients, each added to the accumulator arriving from p+1 as
-            # soon as it is computed: the received buffer and each piece die at once, so at
-            # most one packed gradient exists besides the one in flight (computing all pieces
-            # first would also hold them, the received accumulator and the one being sent).
-            # Accumulators travel in fp32 when the weights are 16-bit: a shard's gradient is a
-            # sum over every rank's tokens and would round at each hop otherwise.
-            received = None
-            if acc_in is not None:
-                wait = torch.ops.tspc.ring_wait(acc_in, acc_out, -1, group, world, tag)
-                received = unpack(wait, shapes)
-
-            def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
-                if world == 1:
-                    return g
-                return g.float() if received is None else g.float() + received[i]
-
-            grads, dx = _weight_grads(
-                h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx
-            )
-            if world == 1:
-                grad_own = grads
-                break
-            if last:  # the pieces are the gradients: no packed copy
-                grad_own = [g.to(sh.dtype) for g, sh in zip(grads, shards)]
-            else:
-                acc_out = pack(grads)
-                acc_in = torch.ops.tspc.ring_start(acc_out, -1, group, world, tag)
-            if w_next is not None:
-                w_cur = torch.ops.tspc.ring_wait(w_next, w_cur, -1, group, world, tag)
-        dx = dx.reshape(x.shape)
-        g = list(grad_own)
-        return dx, g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
+        dx, g = _ring_backward(x2, g2, shards, saved, spec, world, group, tag)
+        return dx.reshape(x.shape), g[k], None, None, None, None, None, *g[:k], *g[k + 1 :]
 
 
-# --------------------------------------------------------------------------- sub-shard hops
-# ``hop_chunks = c > 1``: every shard travels as c chunks of its slice of F (each weight's and
-# bias's F-columns j of c, packed per chunk). The MLP is a sum over any partition of F, so a
-# chunk is computed on its own, and each chunk's hop is issued before that chunk's compute and
-# waited right after it (``ring_chunk_start``/``ring_chunk_wait``, which the overlap scheduler
-# leaves in place). A rank then holds the chunks of the current shard not yet used plus the
-# chunks of the next shard already received: about one shard and one chunk per stream
-# (weights; in backward also the gradient accumulators) instead of two shards. Same bytes,
-# c times the hops.
+# --------------------------------------------------------------------------- the hop loop
+# Each shard travels as c chunks of its slice of F (each weight's and bias's F-columns j of c,
+# packed per chunk; c = 1 by default: the whole shard in one hop). The MLP is a sum over any
+# partition of F, so a chunk is computed on its own, and each chunk's hop is issued before that
+# chunk's compute and waited right after it. With c > 1 (``hop_chunks``, sub-shard hops) the
+# hops are ``ring_chunk_start``/``ring_chunk_wait``, which the overlap scheduler leaves in place,
+# and a rank holds the chunks of the current shard not yet used plus the chunks of the next
+# shard already received: about one shard and one chunk per stream (weights; in backward also
+# the gradient accumulators) instead of two shards. Same bytes, c times the hops.
 
 
 def _f_dims(orient: str, has_bias: tuple[bool, ...]) -> list[int]:
@@ -229,119 +141,158 @@ def _chunk_bounds(shards, orient, has_bias, chunks: int) -> list[tuple[int, int]
     return [(cuts[j], cuts[j + 1]) for j in range(c)]
 
 
-def _chunk(tensors, dims, lo: int, hi: int) -> list[torch.Tensor]:
+def _chunk(tensors, dims, lo: int, hi: int, whole: bool) -> list[torch.Tensor]:
+    if whole:  # the only chunk: the tensors themselves
+        return list(tensors)
     return [t.narrow(d, lo, hi - lo) for t, d in zip(tensors, dims)]
 
 
-def _forward_chunked(x2, shards, spec, bounds, world, group, tag):
+class _Hops:
+    """The chunks of this rank's shards and their hops in one direction (``shift``): whole
+    shards through ``ring_start``/``ring_wait``, sub-shard chunks through the chunk ops."""
+
+    def __init__(self, shards, spec, world: int, group: str, tag: str, shift: int):
+        _, orient, has_bias, _, hop_chunks = spec
+        self.dims = _f_dims(orient, has_bias)
+        self.bounds = _chunk_bounds(shards, orient, has_bias, hop_chunks if world > 1 else 1)
+        self.whole = len(self.bounds) == 1
+        self.shards = shards
+        self.shapes = [[t.shape for t in self.own(j)] for j in range(len(self.bounds))]
+        ring = torch.ops.tspc
+        self._start, self._wait = (
+            (ring.ring_start, ring.ring_wait)
+            if self.whole
+            else (ring.ring_chunk_start, ring.ring_chunk_wait)
+        )
+        self.args = (shift, group, world, tag)
+
+    def own(self, j: int) -> list[torch.Tensor]:
+        """Chunk j of this rank's own shards (views)."""
+        return _chunk(self.shards, self.dims, *self.bounds[j], self.whole)
+
+    def unpack(self, buf: torch.Tensor, j: int) -> list[torch.Tensor]:
+        return unpack(buf, self.shapes[j])
+
+    def start(self, buf: torch.Tensor):
+        return self._start(buf, *self.args), buf
+
+    def land(self, pending) -> torch.Tensor:
+        handle, buf = pending
+        return self._wait(handle, buf, *self.args)
+
+
+def _ring_forward(x2, shards, spec, world, group, tag):
+    """Forward step t holds shard p - t; chunk j of it travels on to p+1 while it is used."""
     chain_key, orient, has_bias, save_projections, _ = spec
     chain = chain_of(chain_key)
-    dims = _f_dims(orient, has_bias)
-    shapes = [[t.shape for t in _chunk(shards, dims, lo, hi)] for lo, hi in bounds]
-    ring = torch.ops.tspc
-    cur: list[torch.Tensor | None] = [None] * len(bounds)  # this step's chunks, as received
+    hops = _Hops(shards, spec, world, group, tag, 1)
+    cur: list[torch.Tensor | None] = [None] * len(hops.bounds)  # this step's chunks, received
     y = None
     saved: list[torch.Tensor] = []
     for t in range(world):
-        nxt: list[torch.Tensor | None] = [None] * len(bounds)
-        for j, (lo, hi) in enumerate(bounds):
+        nxt: list[torch.Tensor | None] = [None] * len(hops.bounds)
+        for j in range(len(hops.bounds)):
             if t == 0:  # our own shard: compute on its views, send a packed copy of the chunk
-                ws = _chunk(shards, dims, lo, hi)
-                buf = pack(ws)
+                ws = hops.own(j)
+                buf = pack(ws) if world > 1 else None
             else:
                 buf = cur[j]
-                ws = unpack(buf, shapes[j])
-            hop = ring.ring_chunk_start(buf, 1, group, world, tag) if t < world - 1 else None
+                ws = hops.unpack(buf, j)
+            # Issue the next hop before this chunk's compute: it travels while we compute.
+            hop = hops.start(buf) if t < world - 1 else None
             part = _shard_output(
                 x2, ws, chain, has_bias, orient, saved if save_projections else None
             )
             y = part if y is None else y + part
             if hop is not None:
-                nxt[j] = ring.ring_chunk_wait(hop, buf, 1, group, world, tag)
+                nxt[j] = hops.land(hop)
         cur = nxt
     return y, saved
 
 
-def _backward_chunked(x2, g2, shards, saved, spec, bounds, world, group, tag):
-    """The backward ring of ``RingMLP`` (see there) with every hop in chunks: at step s, chunk
-    j, rank p forwards chunk j of shard p+1+s's weights (received at step s-1) to p-1 while it
-    computes with it, then adds its contribution to that chunk's gradient accumulator (received
-    from p+1) and sends it on to p-1. Each accumulator hop is waited when the next one is
-    issued (one chunk of compute later), each weight hop after its chunk's compute."""
+def _ring_backward(x2, g2, shards, saved, spec, world, group, tag):
+    """The ring the other way (send to p-1, receive from p+1), re-streaming the weights: at
+    step s, chunk j, rank p forwards chunk j of shard p+1+s's weights (received at step s-1) to
+    p-1 while it computes with it, then adds its contribution to that chunk's gradient
+    accumulator (received from p+1) and sends it on to p-1. Each accumulator hop is waited when
+    the next one is issued (one chunk of compute later; whole shards: before the next step's
+    compute), each weight hop after its chunk's compute. The last step's shard is our own."""
     chain_key, orient, has_bias, save_projections, _ = spec
     k = len(has_bias)
     n_shards = len(shards)
     chain = chain_of(chain_key)
-    dims = _f_dims(orient, has_bias)
-    n_chunks = len(bounds)
-    shapes = [[t.shape for t in _chunk(shards, dims, lo, hi)] for lo, hi in bounds]
-    ring = torch.ops.tspc
+    hops = _Hops(shards, spec, world, group, tag, -1)
+    n_chunks = len(hops.bounds)
     down_t = orient[k] == "t"
-
-    def hop(buf):
-        return ring.ring_chunk_start(buf, -1, group, world, tag), buf
-
-    def land(pending):
-        handle, buf = pending
-        return ring.ring_chunk_wait(handle, buf, -1, group, world, tag)
-
     # The first step's weights (shard p+1) come from p+1, a chunk at a time, one ahead.
     first = [None] * n_chunks
-    first[0] = hop(pack(_chunk(shards, dims, *bounds[0])))
+    if world > 1:
+        first[0] = hops.start(pack(hops.own(0)))
     w_cur: list[torch.Tensor | None] = [None] * n_chunks
     acc: dict[tuple[int, int], torch.Tensor] = {}  # (step, chunk) -> accumulator received
     acc_pending = None  # (step, chunk, (handle, buffer)) of the accumulator hop in flight
     own: list[list[torch.Tensor]] = [[] for _ in range(n_shards)]  # final gradient chunks
     dx = None
     for step in range(world):
-        t = world - 1 - step
+        t = world - 1 - step  # backward step s handles forward step t's shard
         last = step == world - 1
         w_next: list[torch.Tensor | None] = [None] * n_chunks
-        for j, (lo, hi) in enumerate(bounds):
-            if step == 0:
+        for j in range(n_chunks):
+            if step == 0 and world > 1:
                 if j + 1 < n_chunks:
-                    first[j + 1] = hop(pack(_chunk(shards, dims, *bounds[j + 1])))
-                w_cur[j] = land(first[j])
+                    first[j + 1] = hops.start(pack(hops.own(j + 1)))
+                w_cur[j] = hops.land(first[j])
                 first[j] = None
-            if last:  # our own shard: its views
-                ws = _chunk(shards, dims, lo, hi)
+            if last:  # our own shard: its views, so the packed copies die after their hops
+                ws = hops.own(j)
                 w_hop = None
             else:
-                ws = list(unpack(w_cur[j], shapes[j]))
-                w_hop = hop(w_cur[j]) if step < world - 2 else None
+                ws = list(hops.unpack(w_cur[j], j))
+                w_hop = hops.start(w_cur[j]) if step < world - 2 else None
+            # The chain's derivative: autograd's, on this shard's saved projections.
             if save_projections:
                 at = k * (t * n_chunks + j)
                 ps = saved[at : at + k]
-            else:  # rebuilt from the weights this step received
+            else:  # rebuilt from the weights this step received (the forward's shard t)
                 ps = _projections(x2, ws, has_bias, orient)
             h, dps = _chain_backward(chain, ps, g2, ws[k], down_t)
+            # This step's weight gradients, each added to the accumulator arriving from p+1 as
+            # soon as it is computed: the received buffer and each piece die at once, so at
+            # most one packed gradient exists besides the one in flight. Accumulators travel
+            # in fp32 when the weights are 16-bit: a shard's gradient is a sum over every
+            # rank's tokens and would round at each hop otherwise.
             received = None
             if step > 0:
                 if (step, j) not in acc:  # the hop in flight is this chunk's: land it now
                     s_, j_, pending = acc_pending
-                    acc[(s_, j_)] = land(pending)
+                    acc[(s_, j_)] = hops.land(pending)
                     acc_pending = None
-                received = unpack(acc.pop((step, j)), shapes[j])
+                received = hops.unpack(acc.pop((step, j)), j)
 
             def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
+                if world == 1:
+                    return g
                 return g.float() if received is None else g.float() + received[i]
 
             grads, dx = _weight_grads(
                 h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx
             )
-            if last:
+            if last:  # the pieces are the gradients: no packed copy
                 for i, (g, sh) in enumerate(zip(grads, shards)):
-                    own[i].append(g.to(sh.dtype))
+                    own[i].append(g if world == 1 else g.to(sh.dtype))
             else:
                 out = pack(grads)
                 if acc_pending is not None:  # the previous chunk's hop: done travelling by now
                     s_, j_, pending = acc_pending
-                    acc[(s_, j_)] = land(pending)
-                acc_pending = (step + 1, j, hop(out))
+                    acc[(s_, j_)] = hops.land(pending)
+                acc_pending = (step + 1, j, hops.start(out))
             if w_hop is not None:
-                w_next[j] = land(w_hop)
+                w_next[j] = hops.land(w_hop)
         w_cur = w_next
-    grads = [torch.cat(pieces, dim=d) for pieces, d in zip(own, dims)]
+    grads = [
+        pieces[0] if n_chunks == 1 else torch.cat(pieces, dim=d)
+        for pieces, d in zip(own, hops.dims)
+    ]
     return dx, grads
 
 

@@ -26,7 +26,6 @@ differentiable: gradients land on the DTensor parameters, as DTensors).
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
-from .compat import no_fake_mode, strided_shard
+from .compat import no_fake_mode, outermost_module_call, strided_shard
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -88,19 +87,23 @@ def _placement_object(placement: tuple):
 
 # --------------------------------------------------------------------------- meshes
 
-_MESHES: dict[tuple[str, str], tuple[object, DeviceMesh]] = {}
+# (group name, device type, the group's id) -> the mesh, held weakly: the DTensor parameters on
+# a mesh own it (their specs hold it), so it lives exactly as long as something tspc made on it
+# does. The group's id: a name comes back for a new group after ``destroy_process_group``, and
+# the new group gets a mesh of its own (an id is unique among live objects, and the old
+# group's mesh keeps the old group alive).
+_MESHES: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
 
 
 def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
-    """The 1-D DeviceMesh of the TSP group on ``device``'s type (one per process group: a
-    name can come back for a new group after ``destroy_process_group``)."""
+    """The 1-D DeviceMesh of the TSP group on ``device``'s type."""
     pg = process_group(group_name)
-    key = (group_name, device.type)
-    cached = _MESHES.get(key)
-    if cached is None or cached[0] is not pg:
+    key = (group_name, device.type, id(pg))
+    mesh = _MESHES.get(key)
+    if mesh is None:
         with no_fake_mode():
-            cached = _MESHES[key] = (pg, DeviceMesh.from_group(pg, device.type))
-    return cached[1]
+            mesh = _MESHES[key] = DeviceMesh.from_group(pg, device.type)
+    return mesh
 
 
 # --------------------------------------------------------------------------- the registry
@@ -362,21 +365,12 @@ def _eager_guard(module: nn.Module, args) -> None:
 # --------------------------------------------------------------------------- the call's swap
 
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
-_CALL_FRAMES = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 
 
 def _entry_module() -> nn.Module | None:
     """The outermost module whose ``__call__`` runs eagerly on the current stack: the
     ``OptimizedModule``, or the model whose forward was compiled."""
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CALL_FRAMES:
-            m = frame.f_locals.get("self")
-            if isinstance(m, nn.Module):
-                found = m
-        frame = frame.f_back
-    return found
+    return outermost_module_call()
 
 
 def _watch(module: nn.Module, tps: list[TSPParam]) -> None:

@@ -38,9 +38,9 @@ def fake_group():
 
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 # The files that take longest (``--durations``), longest first.
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
     aot_autograd, seconds each); ``-m "not slow"`` is the pass-level tier on small traced
     graphs. The extended tier (marker ``extended``: D = 4 repeats of feature tests, the memory
     bench's quick run) runs only with TSPC_EXTENDED=1, so the README's test command stays within
-    its time budget; see README "Testing"."""
+    its time budget; see docs/testing.md."""
     for item in items:
         if "fake_group" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)

@@ -39,7 +39,7 @@ def capture(model, *inputs, **kwargs):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(model, backend=backend, fullgraph=True)(*inputs, **kwargs)
     return captured["gm"], captured["inputs"]
 
@@ -127,7 +127,7 @@ def compile_reference_step(**model_kw):
     from samples.reference_model import build_reference_model
     from tspc.backend import COMPILED
 
-    torch._dynamo.reset()  # one process plays several ranks: never reuse another rank's graph
+    torch.compiler.reset()  # one process plays several ranks: never reuse another rank's graph
     model = build_reference_model(num_layers=2, **model_kw)
     ids = torch.randint(0, 256, (2, 32))
     COMPILED.clear()

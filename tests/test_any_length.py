@@ -154,7 +154,7 @@ def reference_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
     out = []
     for case in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         kw = {"num_layers": 2, **case.get("model", {})}
         ref = build_reference_model(seed=1, **kw)
         model = build_reference_model(seed=1, **kw)
@@ -234,7 +234,7 @@ def llama_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
     out = []
     for case in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         cfg = AutoConfig.for_model("llama", **SMALL)
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(0)
@@ -297,7 +297,7 @@ def mistral_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
     out = []
     for case in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         cfg = AutoConfig.for_model(
             "mistral", **{**HF_SMALL, "use_cache": True, **case.get("config", {})}
         )

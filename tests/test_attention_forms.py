@@ -165,7 +165,7 @@ def test_every_form_is_matched_with_its_schedule_and_placements(world, fake_grou
 
     for form, placements in FORMS.items():
         fake_group(0, world)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = Model(form)
         full = {n: p for n, p in model.named_parameters()}
         with torch.no_grad():

@@ -55,7 +55,7 @@ def ac_worker(rank: int, world: int) -> dict:
     err, _ = grad_error(ref, model)
     saved = _saved_bytes(fwd)
     # the same model without checkpointing, for what its forward saves
-    torch._dynamo.reset()
+    torch.compiler.reset()
     plain = build_reference_model(seed=0, num_layers=2)
     torch.compile(plain, backend="tsp")(ids).float().pow(2).mean().backward()
     return {

@@ -77,7 +77,7 @@ def chunk_worker(rank: int, world: int) -> dict:
 
     out = {}
     for wrap, recompute in ((HeadLoss, "none"), (HeadLoss, "full"), (NllLoss, "none")):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         COMPILED.clear()
         ref = build_reference_model(seed=0, num_layers=1)
         model = build_reference_model(seed=0, num_layers=1)

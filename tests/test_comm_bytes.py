@@ -54,7 +54,7 @@ def bytes_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
     out = []
     for case in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = build_reference_model(seed=0, **case["model"])
         ids = torch.randint(0, 256, (case["batch"], case["seq"]))
         compiled = torch.compile(model, backend="tsp")

@@ -55,7 +55,7 @@ def _steps_counted(inner_calls: list, lines: list) -> dict:
 
     results = {}
     for dynamic, dynamic_seq in CASES:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         dynamo_counters().clear()
         inner_calls.clear()
         lines.clear()

@@ -96,7 +96,7 @@ def _steps_per_family(inner_calls: list) -> dict:
 
     results = {}
     for family in LENGTHS:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         dynamo_counters().clear()
         inner_calls.clear()
         # one layer: the window's meaning per length is decided per layer alike

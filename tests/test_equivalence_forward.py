@@ -31,7 +31,7 @@ def forward_worker(rank: int, world: int) -> list[dict]:
 
     results = []
     for batch, mult, overrides in CONFIGS:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         seq = 2 * world * mult
         kw = {"num_layers": 2, **overrides}
         ref_model = build_reference_model(seed=1, **kw)

@@ -131,7 +131,7 @@ def _cases(rank: int, world: int) -> dict:
     if world == 2:  # a fused projection: a clear error
         # (a fresh Dynamo: after the models above it traced Phi-3's norm epsilon as a dynamic
         # float, ``.item()`` in the graph, which the passes' shape propagation cannot run)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         phi = _build("phi3")
         phi.forward = torch.compile(phi.forward, backend="tsp")
         res["phi3"] = error_message(lambda: _generate(phi), tspc.GenerateUnsupportedError)
@@ -185,7 +185,7 @@ def _families(rank: int, world: int) -> dict:
 
     out = {}
     for family, extra in FAMILIES.items():
-        torch._dynamo.reset()  # each family's own graphs (see the Phi-3 case above)
+        torch.compiler.reset()  # each family's own graphs (see the Phi-3 case above)
 
         ref, model = _build_family(family, extra), _build_family(family, extra)
         model.forward = torch.compile(model.forward, backend="tsp")

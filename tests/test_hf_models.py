@@ -76,7 +76,7 @@ def hf_worker(rank: int, world: int, cases: list[tuple]) -> list[dict]:
 
     out = []
     for family, attn, padding in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         overrides, _ = FAMILIES[family]
         cfg = AutoConfig.for_model(family.split(":")[0], **{**SMALL, **overrides})
         cfg._attn_implementation = attn
@@ -274,7 +274,7 @@ def test_llama_gradients_with_labels_and_padding_match_one_process(world):
 def hf_train_families(rank: int, world: int, families: list[str]) -> list[dict]:
     out = []
     for family in families:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         out.append(hf_train_worker(rank, world, "sdpa", family))
     return out
 

@@ -42,7 +42,7 @@ def test_fx_graph_cache_serves_graphs_with_transfers(fake_group, tmp_path, monke
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(7))
     runs = []
     for _ in range(2):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         dynamo_counters().clear()
         model = build_reference_model(seed=1, num_layers=1, hidden_size=32, intermediate_size=64)
         compiled = torch.compile(model, backend="tsp", options={"inner": "inductor"})

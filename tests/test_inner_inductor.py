@@ -24,7 +24,7 @@ def inductor_worker(rank: int, world: int) -> dict:
     from tspc.runtime.compat import work_registry_size
     from tspc.runtime.counters import COUNTER
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref = build_reference_model(seed=1, num_layers=2)
     model = build_reference_model(seed=1, num_layers=2)
     ids = torch.randint(0, 256, (2, 8 * world), generator=torch.Generator().manual_seed(7))

@@ -390,7 +390,7 @@ def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
     out = []
     for case in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         family, attn, config, inputs, kinds = GRAPH_CASES[case["name"]]
         ref = _model(family, attn, **config)
         model = _model(family, attn, **config)
@@ -488,7 +488,7 @@ def _memory_and_release_worker(rank: int, world: int) -> dict:
     out["peak"] = mt.peak_bytes
     out["masks"] = [m["kind"] for m in tspc.last_report().masks]
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = _model("llama")
     cm = torch.compile(model, backend="tsp")
     with torch.no_grad():

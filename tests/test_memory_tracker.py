@@ -124,7 +124,7 @@ def test_aot_eager_intermediates_are_seen():
 
 @pytest.mark.slow
 def test_inductor_buffers_are_seen():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     fn = torch.compile(_mm_relu_mm, backend="inductor", fullgraph=True)
     args = _mm_inputs()
     fn(*args)  # cold compile (~3-15 s) outside the measurement

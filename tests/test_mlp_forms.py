@@ -102,7 +102,7 @@ def forms_worker(rank: int, world: int, forms: list[str]) -> list[dict]:
 
     out = []
     for form in forms:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         ref, model = model_with(form), model_with(form)
         ids = torch.randint(0, 256, (2, 4 * world), generator=torch.Generator().manual_seed(3))
         probe = torch.randn(2, 4 * world, 256, generator=torch.Generator().manual_seed(4))

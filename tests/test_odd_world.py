@@ -39,7 +39,7 @@ def odd_world_worker(rank: int, world: int) -> dict:
         got, want = compiled(ids), other(ids)
     out["loaded_err"] = ((got - want).abs().max() / want.abs().max()).item()
     # outputs left sharded: this rank's chunks p and 2D-1-p of the sequence, in that order
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = build_reference_model(seed=0, **MODEL)
     sharded = torch.compile(model, backend="tsp", options={"outputs": "sharded"})
     with torch.no_grad():

@@ -73,7 +73,7 @@ def _real_and_fake_step(dtype: torch.dtype) -> tuple[int, int]:
         )
         mt.reset_peak()
         measured_step(step, ids, ids, "train", opt)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     fake = measure_rank(RefConfig(**cfg), seq_len=32, micro_batch=2, dtype="fp32", world=1)
     return mt.peak_bytes, fake.peak
 

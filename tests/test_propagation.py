@@ -86,9 +86,9 @@ def _dynamo_graph(dynamic: bool) -> fx.GraphModule:
         graphs.append(gm)
         return gm.forward
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(_g, backend=grab, dynamic=dynamic)(torch.randn(16, 8), torch.randn(8, 8))
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return graphs[0]
 
 

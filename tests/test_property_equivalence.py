@@ -67,7 +67,7 @@ def property_worker(rank: int, world: int, n_examples: int) -> dict:
     def check(cfg):
         import tspc
 
-        torch._dynamo.reset()
+        torch.compiler.reset()
         ref = build_reference_model(seed=0, **cfg["model"])
         model = build_reference_model(seed=0, **cfg["model"])
         ids = torch.randint(

@@ -69,7 +69,7 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
 
     out: dict = {}
     for policy in policies:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         COMPILED.clear()
         ref = build_reference_model(seed=0, num_layers=2)
         model = build_reference_model(seed=0, num_layers=2)
@@ -111,7 +111,7 @@ def recompute_worker(rank: int, world: int, policies: list[str], memory: bool) -
         from tspc.tools.measure import LossModel, measured_step, warm_up
         from tspc.tools.memory import MemoryTracker
 
-        torch._dynamo.reset()
+        torch.compiler.reset()
         torch.manual_seed(0)
         with MemoryTracker() as mt:
             cfg = RefConfig(**MEM_CFG)
@@ -168,7 +168,7 @@ def test_recompute_training_equals_one_process_d2_and_real_peak_matches_fake():
     policies = ["none", "full", "selective"]
     results = spawn(recompute_worker, 2, policies, True, timeout=600)
     _check(results, policies)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     for rank, r in enumerate(results):
         fake = measure_rank(RefConfig(**MEM_CFG), seq_len=MEM_SEQ, micro_batch=MEM_BATCH,
                             dtype="fp32", rank=rank, world=2, recompute="full")  # fmt: skip

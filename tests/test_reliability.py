@@ -260,7 +260,7 @@ def dtype_worker(rank: int, world: int) -> dict:
         (torch.bfloat16, "grad"),
     ]
     for dtype, mode in combos:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = build_reference_model(seed=0, num_layers=2).to(dtype)
         ref = build_reference_model(seed=0, num_layers=2).to(dtype)
         ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))

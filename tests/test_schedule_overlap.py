@@ -37,7 +37,7 @@ def _compile(world: int, rank: int, **model_kw):
         return cg.aot.forward_gms[0], cg.aot.backward_gms[0]
     finally:
         dist.destroy_process_group()
-        torch._dynamo.reset()
+        torch.compiler.reset()
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ def train_worker(rank: int, world: int, case: dict) -> dict:
     import tspc
     from samples.reference_model import build_reference_model
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     kw = case["model"]
     ref = build_reference_model(seed=0, **kw)
     model = build_reference_model(seed=0, **kw)
@@ -172,7 +172,7 @@ def dp_worker(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tsp"))
     dp_rank = mesh.get_local_rank("dp")
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref = build_reference_model(seed=0, num_layers=2)
     model = build_reference_model(seed=0, num_layers=2)
     torch.manual_seed(11)

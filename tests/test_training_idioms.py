@@ -136,7 +136,7 @@ def idioms_worker(rank: int, world: int, kinds: list[str]) -> dict:
     data = batches(3, seq=8 * world)
     for kind in kinds:
         for when in ("before", "after"):
-            torch._dynamo.reset()
+            torch.compiler.reset()
             ref, logits = build(kind)
             model, _ = build(kind)
             compiled = torch.compile(model, backend="tsp")
@@ -157,7 +157,7 @@ def idioms_worker(rank: int, world: int, kinds: list[str]) -> dict:
                 "all_dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
             }
     # autocast (CPU bf16) on an fp32 model: losses and gradients within bf16 tolerance
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref, logits = build("ref")
     model, _ = build("ref")
     compiled = torch.compile(model, backend="tsp")
@@ -257,7 +257,7 @@ def save_worker(rank: int, world: int, root: str) -> dict:
     out = {}
     data = batches(3, seq=16)
     for kind in KINDS:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model, logits = build(kind)
         compiled = torch.compile(model, backend="tsp")
         opt = adamw(compiled.parameters())
@@ -295,7 +295,7 @@ def load_worker(rank: int, world: int, args: tuple[str, str, str]) -> dict:
     out = {}
     data = batches(3, seq=16)
     for kind in KINDS:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model, logits = build(kind, seed=1)  # other weights: everything comes from the file
         compiled = model
         if world > 1:

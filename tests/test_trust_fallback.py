@@ -174,11 +174,11 @@ def test_strict_raises_where_the_default_falls_back(fake_group, monkeypatch):
         raise RuntimeError("injected inner compiler failure")
 
     monkeypatch.setattr(tspc.backend, "compile_inner", broken_inner)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with pytest.raises(Exception, match=r"strict.*injected inner compiler failure"):
         torch.compile(build_reference_model(num_layers=2), backend="tsp", options=strict)(ids)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref, model = build_reference_model(num_layers=2), build_reference_model(num_layers=2)
     compiled = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
     with pytest.warns(FallbackWarning, match=r"injected inner compiler failure.*plain torch"):
@@ -289,7 +289,7 @@ def test_a_partitioner_failure_on_a_tspc_tag_is_a_tspc_error(monkeypatch, tmp_pa
     assert "options={'schedules': 'none'}" in msg and "must recompute" in msg, msg
     assert "bug in PyTorch" not in msg and "file an issue" not in msg, msg
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
     with pytest.warns(FallbackWarning, match=r"PartitionerTagError.*getitem"):
         out = compiled(x)
@@ -357,7 +357,7 @@ def _train(family: str, old_bug: bool) -> dict:
 
     import tspc
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     build = _mamba if family == "mamba" else _bart
     ref, model = build(), build()
     gen = torch.Generator().manual_seed(3)

@@ -301,7 +301,7 @@ def masks_worker(rank: int, world: int, cases: list[tuple], adamw_steps: int = 0
     out = []
     for i, (family, attn, padding, layers) in enumerate(cases):
         t0 = time.perf_counter()
-        torch._dynamo.reset()
+        torch.compiler.reset()
         ref, model = _models(family, attn, layers)
         kwargs = _batch(padding)
         loss_ref = ref(**kwargs).loss

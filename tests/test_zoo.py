@@ -11,12 +11,12 @@ process, without tspc:
 
 So every family meets both attention implementations, padding masks and internal sequence
 padding, at both world sizes. That whole matrix runs with ``TSPC_ZOO=full`` (about 15 minutes on
-two cores; the README's zoo table comes from it); the default suite runs each family once, at
+two cores; docs/models.md's zoo table comes from it); the default suite runs each family once, at
 D = 2 (D = 4 in the extended tier) with one of its two runs (``_sample_cases``). Checked each time: logits at every real position equal one process
 (relative error < 1e-5), the compile ran level 'tsp' with no fallback, and the report lists
 **every** decoder layer's attention and MLP with exactly the status this table expects — matched,
 or skipped with the stated reason (MoE MLPs, and the gaps listed in ``KNOWN_GAPS``). A family
-that starts matching where the table says skipped fails too: the table is the README's zoo table
+that starts matching where the table says skipped fails too: the table is docs/models.md's zoo table
 and must say what is true.
 
 Families left out, and why, are in ``LEFT_OUT``; ``test_every_family_is_accounted_for`` keeps the
@@ -187,7 +187,7 @@ def _zoo_case(case: tuple[str, str, int, bool, int]) -> dict:
     from tspc.runtime.counters import COUNTER
 
     family, attn, seq, padded, layers = case
-    torch._dynamo.reset()
+    torch.compiler.reset()
     cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0]})
     if layers == 1 and not _layers_differ(cfg):
         cfg = AutoConfig.for_model(family, **{**SMALL, **FAMILIES[family][0], **ONE_LAYER})
@@ -292,7 +292,7 @@ def _problems(r: dict) -> list[str]:
 def _run(world: int, cases: list) -> None:
     # a rank that fails alone leaves its peers in a collective: fail that case in 2 minutes
     results = spawn(zoo_worker, world, cases, timeout=3600, env={"TSPC_COMM_TIMEOUT": "120"})
-    if out := os.environ.get("TSPC_ZOO_OUT"):  # rank 0's rows, for the README's zoo table
+    if out := os.environ.get("TSPC_ZOO_OUT"):  # rank 0's rows, for docs/models.md's zoo table
         with open(f"{out}.d{world}.json", "w") as f:
             json.dump(results[0], f, indent=1)
     problems = {}

@@ -2,7 +2,7 @@
 
 ``torch.compile(model, backend="tsp")`` works without importing this package (an entry point
 registers the backend); import it for the helpers: match reports and the zigzag layout. Training uses torch's own
-machinery: after the first call the model's parameters are DTensors (see the README).
+machinery: after the first call the model's parameters are DTensors (see docs/training.md).
 """
 
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict

@@ -8,7 +8,9 @@ the inner compiler (``tspc/inner.py``).
 A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
 values) is compiled per concrete shape at its first call with that shape: the passes bake the
 local sequence length into shapes, and every rank sees the same shapes in the same order, so all
-ranks compile the same graphs. With ``dynamic_seq`` (the default) the first such length that is
+ranks compile the same forward graphs (the backward graphs differ between ranks: the weight
+broadcast's source alone keeps the reduced gradient; what every rank shares is the order of the
+collectives). With ``dynamic_seq`` (the default) the first such length that is
 a multiple of 2D is compiled once for every length of that kind instead
 (``tspc/length_family.py``), and later lengths run that program.
 """
@@ -548,7 +550,7 @@ def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
             raise TSPConfigError(
                 f"tspc: input '{name}' is {kind}: the model is already sharded. tspc shards "
                 "weights and tokens itself; compile the unwrapped model with backend='tsp' "
-                "(combine with data parallelism through a 2-D mesh, see the README)."
+                "(combine with data parallelism through a 2-D mesh, see docs/training.md)."
             )
 
 

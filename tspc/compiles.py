@@ -10,7 +10,7 @@ kind, so tspc counts and logs both:
 * ``torch._dynamo.utils.counters["tspc"]``: ``compiles`` and one ``reason:<kind>`` count per
   kind of reason (and, with ``dynamic_seq``, ``runs_without_compile``: new shapes that a program
   compiled for every length ran), next to Dynamo's own ``counters["stats"]`` (cleared with them by
-  ``torch._dynamo.reset()`` callers that clear counters; ``events()`` is tspc's own);
+  ``torch.compiler.reset()`` callers that clear counters; ``events()`` is tspc's own);
 * the logger ``tspc.compiles`` (this module's name) logs one line per compile at INFO:
   ``TORCH_LOGS="tspc.compiles"`` (or ``TORCH_LOGS="tspc"`` for all of tspc's INFO lines) turns
   it on with torch's format and rank prefix. torch 2.13 parses ``TORCH_LOGS`` when torch is
@@ -174,7 +174,7 @@ def graph_signature(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple | No
 
 # (signature, group and options) -> (a weak reference to the compiled static graph, its
 # placeholders' names, its graph id, the global state it was compiled in). Weak: a graph Dynamo
-# drops (``torch._dynamo.reset()``, a model that goes away) is not kept alive here and is not
+# drops (``torch.compiler.reset()``, a model that goes away) is not kept alive here and is not
 # reused.
 STATIC: dict[tuple, tuple[weakref.ref, tuple[str, ...], int, Any]] = {}
 

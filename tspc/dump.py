@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from tspc.passes.analyse import analyse
+from tspc.runtime.compat import keep_boxed_call
 from tspc.runtime.counters import COUNTER, KINDS
 from tspc.runtime.shard_store import STORE
 
@@ -370,8 +371,7 @@ class _MeasureFirstCall:
         self.dump = dump
         self.label = label
         self.done = False
-        if getattr(fn, "_boxed_call", False):
-            self._boxed_call = True
+        keep_boxed_call(fn, self)
 
     def __call__(self, *args):
         if self.done:

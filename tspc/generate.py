@@ -10,7 +10,7 @@
   sums that are all-reduced, and attention reads the sequence-sharded cache with a distributed
   flash-decoding merge. No weight moves and nothing recompiles per token.
 
-How a user gets there (see the README's "Generation"):
+How a user gets there (see docs/generation.md):
 
 * ``model.forward = torch.compile(model.forward, backend="tsp")`` (transformers' idiom): the
   first compiled call routes ``model.forward`` through ``GenerateForward``, so
@@ -34,7 +34,6 @@ fails on a head group (OLMo-2's norms over every head's features) — never a wr
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,162 +44,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tspc.runtime.decode import DecodeComm, merge_partials, owner_of_next, partial_attention
+from tspc.generate_cache import (
+    DECODE,
+    GenerateUnsupportedError,
+    cache_from_prefill,
+    current_step,
+    tsp_cache_type,
+)
+from tspc.runtime.compat import compiled_module_original, optimized_module_class
+from tspc.runtime.decode import DecodeComm, merge_partials, partial_attention
 from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_param_of
-from tspc.runtime.zigzag import padded_length, zigzag_indices
 
 ATTN_NAME = "tspc_decode"
 
 
-class GenerateUnsupportedError(NotImplementedError):
-    """The model (or the generate() options) cannot decode on the TSP shards; says why."""
-
-
-# --------------------------------------------------------------------------- the cache
-
-
-def _cache_classes():
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    return Cache, DynamicLayer
-
-
-def _make_cache_types():
-    Cache, DynamicLayer = _cache_classes()
-
-    class TSPCacheLayer(DynamicLayer):
-        """This rank's cached tokens of one layer: ``keys``/``values`` [B, H_kv, L_p, d] of every KV
-        head, ``positions`` [L_p] their true positions; ``counts`` every rank's token count.
-        The sequence length it reports is the whole sequence's (masks and positions are global)."""
-
-        is_croppable = False
-
-        def __init__(self, keys, values, positions, counts, rank):
-            super().__init__()
-            self.keys, self.values = keys, values
-            self.positions = positions
-            self.counts = list(counts)
-            self.rank = rank
-            self.device = keys.device
-            self.is_initialized = True
-
-        def get_seq_length(self) -> int:
-            return sum(self.counts)
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.get_seq_length() + query_length, 0
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            """Called by the attention module with the new token's k, v (its head group): they
-            are kept pending; ``decode_attention`` gathers them with q in one collective and
-            ``append``s them at their owner. Returns this rank's cached tokens."""
-            if key_states.shape[-2] != 1:
-                raise GenerateUnsupportedError(
-                    f"tspc: {key_states.shape[-2]} new tokens per step on a sequence-sharded cache; "
-                    "decoding runs one token per sequence (assisted / speculative decoding and "
-                    "chunked prefill are not supported)"
-                )
-            _current_step()  # a clear error outside a decode step
-            self.pending = (key_states, value_states)
-            return self.keys, self.values
-
-        def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            """The new token's K/V of every KV head: cached by its owner rank only."""
-            pos = self.get_seq_length()
-            owner = owner_of_next(self.counts)
-            self.counts[owner] += 1
-            if owner == self.rank:
-                self.keys = torch.cat([self.keys, keys], dim=-2)
-                self.values = torch.cat([self.values, values], dim=-2)
-                self.positions = torch.cat(
-                    [self.positions, torch.tensor([pos], device=self.positions.device)]
-                )
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            raise GenerateUnsupportedError(
-                "tspc: beam search / num_return_sequences > 1 are not supported on a "
-                "sequence-sharded cache"
-            )
-
-        def batch_select_indices(self, indices) -> None:
-            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be re-batched")
-
-        def reorder_cache(self, beam_idx) -> None:
-            raise GenerateUnsupportedError("tspc: beam search is not supported")
-
-    class TSPCache(Cache):
-        """transformers' ``Cache`` over ``TSPCacheLayer``s: each rank holds its own tokens' K/V."""
-
-        def __init__(self, layers, group: str, world: int, rank: int):
-            super().__init__(layers=layers)
-            self.group, self.world, self.rank = group, world, rank
-
-        @property
-        def is_compileable(self) -> bool:
-            return False
-
-        def local_tokens(self) -> int:
-            """Tokens of the first layer this rank caches."""
-            return self.layers[0].keys.shape[-2]
-
-        def nbytes(self) -> int:
-            return sum(
-                layer.keys.numel() * layer.keys.element_size()
-                + layer.values.numel() * layer.values.element_size()
-                for layer in self.layers
-            )
-
-    return TSPCacheLayer, TSPCache
-
-
-_TYPES: dict[str, type] = {}
-
-
-def _types():
-    if not _TYPES:
-        _TYPES["layer"], _TYPES["cache"] = _make_cache_types()
-    return _TYPES["layer"], _TYPES["cache"]
-
-
-def tsp_cache_type() -> type:
-    """The ``TSPCache`` class (transformers is imported on first use)."""
-    return _types()[1]
-
-
-def cache_from_prefill(
-    cache, prompt_len: int, sharded: bool, group: str, world: int, rank: int
-) -> Any:
-    """A ``TSPCache`` from the prefill's ``DynamicCache``: its K/V hold this rank's zigzag tokens
-    of the padded prompt (``sharded``), or the whole prompt (gathered); keep this rank's real
-    tokens."""
-    layer_cls, cache_cls = _types()
-    P = padded_length(prompt_len, world)
-    counts = [int((zigzag_indices(P, r, world) < prompt_len).sum()) for r in range(world)]
-    layers = []
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        pos = zigzag_indices(P, rank, world).to(keys.device)
-        if sharded:
-            if keys.shape[-2] != P // world:
-                raise RuntimeError(
-                    f"tspc: the prefill returned {keys.shape[-2]} cached tokens per rank, "
-                    f"expected {P // world} (prompt {prompt_len}, {world} ranks)"
-                )
-            valid = pos < prompt_len
-            keys, values, pos = keys[..., valid, :], values[..., valid, :], pos[valid]
-        else:
-            pos = pos[pos < prompt_len]
-            keys, values = keys.index_select(-2, pos), values.index_select(-2, pos)
-        layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank))
-    return cache_cls(layers, group, world, rank)
-
-
 # --------------------------------------------------------------------------- one decode step
-
-_LOCAL = threading.local()
 
 
 @dataclass
@@ -225,21 +83,11 @@ class _Step:
         )
 
 
-def _current_step() -> _Step:
-    step = getattr(_LOCAL, "step", None)
-    if step is None:
-        raise RuntimeError(
-            "tspc: the sequence-sharded cache was used outside a tspc decode step; call the model "
-            "whose forward tspc routes (model.generate after compiling), not the module directly"
-        )
-    return step
-
-
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
     """transformers attention-interface function for one decode step: ``query`` [B, H_l, T, d]
     holds this rank's head group (or all heads when the projection is not sharded); ``key`` /
     ``value`` are this rank's cached tokens (``TSPCacheLayer.update`` returned them)."""
-    step = _current_step()
+    step = current_step()
     for name in ("softcap", "sinks", "s_aux"):
         if kw.get(name) is not None:
             raise GenerateUnsupportedError(f"tspc: decode attention with {name} is not supported")
@@ -442,7 +290,7 @@ class GenerateForward:
                 cache, cache.get_seq_length(), False, group, world, rank
             )
             return self._decode(args, kwargs)
-        if not getattr(_LOCAL, "generating", 0) or not use_cache or ids is None:
+        if not getattr(DECODE, "generating", 0) or not use_cache or ids is None:
             # a plain call (not from generate: exactly what the compiled forward returns)
             with _stand_ins(self.model):
                 return self.compiled(*args, **kwargs)
@@ -482,7 +330,7 @@ class GenerateForward:
         )
         config = model.config
         before = config._attn_implementation
-        _LOCAL.step = step
+        DECODE.step = step
         try:
             config._attn_implementation = ATTN_NAME
             with torch.no_grad(), _tensor_parallel(plan, comm):
@@ -500,7 +348,7 @@ class GenerateForward:
                     ) from e
         finally:
             config._attn_implementation = before
-            _LOCAL.step = None
+            DECODE.step = None
         name = "cache" if "cache" in out else "past_key_values"
         out[name] = cache
         return out
@@ -532,12 +380,12 @@ def _is_generative(model: Any) -> bool:
 def _generating() -> Iterator[None]:
     """Calls of a routed forward inside ``generate`` take the prompt / decode paths; any other
     call gets what the compiled forward returns, unchanged (its gathered K/V included)."""
-    depth = getattr(_LOCAL, "generating", 0)
-    _LOCAL.generating = depth + 1
+    depth = getattr(DECODE, "generating", 0)
+    DECODE.generating = depth + 1
     try:
         yield
     finally:
-        _LOCAL.generating = depth
+        DECODE.generating = depth
 
 
 def route(model: nn.Module, compiled: Any | None, options: dict | None) -> None:
@@ -561,12 +409,10 @@ def enable_generate(model: Any, options: dict | None = None) -> Any:
     """Make ``model.generate`` (a transformers model, its ``torch.compile(model, backend="tsp")``
     wrapper, or a model whose forward was compiled) run the prompt on the TSP schedules and the
     decode steps tensor-parallel on the shards. Returns ``model``."""
-    from tspc.runtime.compat import optimized_module_class
-
     OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     if isinstance(model, OptimizedModule):
-        inner = model._orig_mod
+        inner = compiled_module_original(model)
         if not _is_generative(inner):
             raise GenerateUnsupportedError(f"tspc: {type(inner).__name__} has no generate()")
         _route_compiled_module(model, options)
@@ -581,7 +427,7 @@ def enable_generate(model: Any, options: dict | None = None) -> Any:
 def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
     """``cm.generate`` runs the inner model's generate with its forward routed (only during the
     call: ``cm(...)`` itself keeps tracing the model's own forward)."""
-    inner = cm._orig_mod
+    inner = compiled_module_original(cm)
     if "generate" in cm.__dict__:
         return
     fwd = GenerateForward(inner, None, options)
@@ -605,8 +451,6 @@ def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:
 def route_from_backend(options: dict | None) -> None:
     """Called by the ``tsp`` backend while it compiles: route ``generate`` of the module being
     called (the model whose forward the user compiled, or ``torch.compile(model)``'s wrapper)."""
-    from tspc.runtime.compat import optimized_module_class
-
     OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     from tspc.runtime.tsp_params import _entry_module
@@ -615,7 +459,7 @@ def route_from_backend(options: dict | None) -> None:
     if entry is None:
         return
     if isinstance(entry, OptimizedModule):
-        if _is_generative(entry._orig_mod):
+        if _is_generative(compiled_module_original(entry)):
             _route_compiled_module(entry, options)
         return
     own = entry.__dict__.get("forward")

@@ -36,7 +36,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
 
 from tspc.runtime.comm import START_KIND, is_transfer_start, is_transfer_wait, wait_of
-from tspc.runtime.compat import OpOverload
+from tspc.runtime.compat import OpOverload, op_base_name, op_schema
 from tspc.runtime.counters import KINDS, message_bytes, received_and_sent
 
 # Ops that do the work a transfer should hide behind: GEMMs and attention kernels.
@@ -136,7 +136,7 @@ class GraphSchedule:
 
 def _op_name(target) -> str:
     if isinstance(target, OpOverload):
-        return f"{target.namespace}.{target._opname}"
+        return f"{target.namespace}.{op_base_name(target)}"
     return getattr(target, "__name__", str(target))
 
 
@@ -156,7 +156,7 @@ def _is_heavy(n: fx.Node) -> bool:
 
 def _bind(n: fx.Node) -> dict:
     """The op's arguments by name (custom ops may be called positionally or by keyword)."""
-    schema = n.target._schema
+    schema = op_schema(n.target)
     bound = {a.name: v for a, v in zip(schema.arguments, n.args)}
     bound.update(n.kwargs)
     return bound
@@ -248,7 +248,7 @@ def read_schedule(gm: fx.GraphModule, rank: int, label: str) -> GraphSchedule:
         hi = pos_of[wait] if wait is not None else lo
         between = [st for st in steps[lo + 1 : hi] if st.role == "compute"]
         signature = (
-            s.target._opname,
+            op_base_name(s.target),
             *(f"{k}={v}" for k, v in args.items() if k != "x" and not isinstance(v, fx.Node)),
         )
         transfers.append(

@@ -102,7 +102,7 @@ def _pool_worker(rank, world_size, port, tasks, queue, parent_pid, pg_timeout):
             break
         fn, args = task
         environ = dict(os.environ)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         _forget_tspc_compiles()
         torch.manual_seed(seed)
         random.seed(seed)

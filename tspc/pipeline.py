@@ -19,7 +19,7 @@ the partitioner's tags), ``AOT_GRAPH_PIPELINE`` (the forward and the backward gr
 schedule again) and ``POST_GRAD_PIPELINE`` (Inductor's post-grad graph). The later phases'
 passes take a ``GraphContext`` (one graph and the options); ``run_passes`` runs every phase
 and keeps its snapshots for a dump. ``python -m tspc.pipeline`` prints the list
-(``describe``); the README's architecture section is that output.
+(``describe``); docs/architecture.md is that output.
 """
 
 from __future__ import annotations
@@ -464,7 +464,7 @@ PHASES: tuple[Phase, ...] = (
 
 
 def describe() -> str:
-    """Every phase and its passes in order: the list the README's architecture section shows
+    """Every phase and its passes in order: the list docs/architecture.md shows
     (``python -m tspc.pipeline`` prints it; a test keeps the two equal)."""
     lines = []
     for phase in PHASES:

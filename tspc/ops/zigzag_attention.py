@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tspc.runtime.compat import dispatch_key_for_device
+from tspc.runtime.compat import dispatch_key_for_device, tensor_version
 
 from .attention_kernels import block_backward, block_forward
 from .masked_rows import (
@@ -156,14 +156,14 @@ def _doc_starts(doc_ids: torch.Tensor) -> list:
     """Per batch row, the positions where a document starts (0 first), or "dense" for a row
     of negative ids (not documents: see ``documents_of_mask``)."""
     ref, version, starts = _STARTS_CACHE
-    if ref is not None and ref() is doc_ids and version == doc_ids._version:
+    if ref is not None and ref() is doc_ids and version == tensor_version(doc_ids):
         return starts
     ids = doc_ids.cpu()
     change = ids[:, 1:] != ids[:, :-1]
     out = []
     for first, row in zip(ids[:, 0].tolist(), change):
         out.append("dense" if first < 0 else [0] + (row.nonzero().flatten() + 1).tolist())
-    _STARTS_CACHE[:] = [weakref.ref(doc_ids), doc_ids._version, out]
+    _STARTS_CACHE[:] = [weakref.ref(doc_ids), tensor_version(doc_ids), out]
     return out
 
 

@@ -294,7 +294,7 @@ def _on_fake_cuda(target: Target, backward: bool) -> Iterator[tuple[Target, bool
 
     from tspc.runtime.compat import fake_tensor_mode, tree_map
     from tspc.tools import fake_cuda
-    from tspc.tools.measure import _keep_fake_parameter_class
+    from tspc.tools.fake_run import _keep_fake_parameter_class
 
     try:
         fake_cuda.ensure_device_guard()
@@ -331,7 +331,7 @@ def dump_rank(
 
     _clear_old_dump(os.path.join(out, f"rank{rank}"))
     with fake_process_group(rank, world):
-        torch._dynamo.reset()  # never reuse another rank's graph
+        torch.compiler.reset()  # never reuse another rank's graph
         # number this rank's graphs from 0, as a fresh process does; the process's own count
         # goes on afterwards (a later compile in this process must not reuse an id)
         ids, backend._GRAPH_IDS = backend._GRAPH_IDS, itertools.count()
@@ -352,7 +352,7 @@ def dump_rank(
                 if loss is not None:
                     loss.backward()
         dumps = DUMPS[first:]
-        torch._dynamo.reset()
+        torch.compiler.reset()
         backend._GRAPH_IDS = ids
     if not dumps:
         raise DumpError("the backend compiled no graph (is the model's forward empty?)")

@@ -1,0 +1,173 @@
+"""The sequence-sharded K/V cache of ``generate()`` (``tspc/generate.py``): ``TSPCache`` holds
+this rank's real prompt tokens' keys and values with their true positions, built from the
+prefill's ``DynamicCache``. transformers is imported on first use.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from tspc.runtime.decode import owner_of_next
+from tspc.runtime.zigzag import padded_length, zigzag_indices
+
+
+class GenerateUnsupportedError(NotImplementedError):
+    """The model (or the generate() options) cannot decode on the TSP shards; says why."""
+
+
+# What generate.py's routed forward sets for this thread: ``generating`` (a depth count) and
+# ``step``, the decode step running now.
+DECODE = threading.local()
+
+
+def current_step():
+    """The decode step running on this thread (``generate.py``'s ``_Step``)."""
+    step = getattr(DECODE, "step", None)
+    if step is None:
+        raise RuntimeError(
+            "tspc: the sequence-sharded cache was used outside a tspc decode step; call the model "
+            "whose forward tspc routes (model.generate after compiling), not the module directly"
+        )
+    return step
+
+
+def _cache_classes():
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    return Cache, DynamicLayer
+
+
+def _make_cache_types():
+    Cache, DynamicLayer = _cache_classes()
+
+    class TSPCacheLayer(DynamicLayer):
+        """This rank's cached tokens of one layer: ``keys``/``values`` [B, H_kv, L_p, d] of every KV
+        head, ``positions`` [L_p] their true positions; ``counts`` every rank's token count.
+        The sequence length it reports is the whole sequence's (masks and positions are global)."""
+
+        is_croppable = False
+
+        def __init__(self, keys, values, positions, counts, rank):
+            super().__init__()
+            self.keys, self.values = keys, values
+            self.positions = positions
+            self.counts = list(counts)
+            self.rank = rank
+            self.device = keys.device
+            self.is_initialized = True
+
+        def get_seq_length(self) -> int:
+            return sum(self.counts)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            """Called by the attention module with the new token's k, v (its head group): they
+            are kept pending; ``decode_attention`` gathers them with q in one collective and
+            ``append``s them at their owner. Returns this rank's cached tokens."""
+            if key_states.shape[-2] != 1:
+                raise GenerateUnsupportedError(
+                    f"tspc: {key_states.shape[-2]} new tokens per step on a sequence-sharded cache; "
+                    "decoding runs one token per sequence (assisted / speculative decoding and "
+                    "chunked prefill are not supported)"
+                )
+            current_step()  # a clear error outside a decode step
+            self.pending = (key_states, value_states)
+            return self.keys, self.values
+
+        def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """The new token's K/V of every KV head: cached by its owner rank only."""
+            pos = self.get_seq_length()
+            owner = owner_of_next(self.counts)
+            self.counts[owner] += 1
+            if owner == self.rank:
+                self.keys = torch.cat([self.keys, keys], dim=-2)
+                self.values = torch.cat([self.values, values], dim=-2)
+                self.positions = torch.cat(
+                    [self.positions, torch.tensor([pos], device=self.positions.device)]
+                )
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise GenerateUnsupportedError(
+                "tspc: beam search / num_return_sequences > 1 are not supported on a "
+                "sequence-sharded cache"
+            )
+
+        def batch_select_indices(self, indices) -> None:
+            raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be re-batched")
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise GenerateUnsupportedError("tspc: beam search is not supported")
+
+    class TSPCache(Cache):
+        """transformers' ``Cache`` over ``TSPCacheLayer``s: each rank holds its own tokens' K/V."""
+
+        def __init__(self, layers, group: str, world: int, rank: int):
+            super().__init__(layers=layers)
+            self.group, self.world, self.rank = group, world, rank
+
+        @property
+        def is_compileable(self) -> bool:
+            return False
+
+        def local_tokens(self) -> int:
+            """Tokens of the first layer this rank caches."""
+            return self.layers[0].keys.shape[-2]
+
+        def nbytes(self) -> int:
+            return sum(
+                layer.keys.numel() * layer.keys.element_size()
+                + layer.values.numel() * layer.values.element_size()
+                for layer in self.layers
+            )
+
+    return TSPCacheLayer, TSPCache
+
+
+_TYPES: dict[str, type] = {}
+
+
+def _types():
+    if not _TYPES:
+        _TYPES["layer"], _TYPES["cache"] = _make_cache_types()
+    return _TYPES["layer"], _TYPES["cache"]
+
+
+def tsp_cache_type() -> type:
+    """The ``TSPCache`` class (transformers is imported on first use)."""
+    return _types()[1]
+
+
+def cache_from_prefill(
+    cache, prompt_len: int, sharded: bool, group: str, world: int, rank: int
+) -> Any:
+    """A ``TSPCache`` from the prefill's ``DynamicCache``: its K/V hold this rank's zigzag tokens
+    of the padded prompt (``sharded``), or the whole prompt (gathered); keep this rank's real
+    tokens."""
+    layer_cls, cache_cls = _types()
+    P = padded_length(prompt_len, world)
+    counts = [int((zigzag_indices(P, r, world) < prompt_len).sum()) for r in range(world)]
+    layers = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        pos = zigzag_indices(P, rank, world).to(keys.device)
+        if sharded:
+            if keys.shape[-2] != P // world:
+                raise RuntimeError(
+                    f"tspc: the prefill returned {keys.shape[-2]} cached tokens per rank, "
+                    f"expected {P // world} (prompt {prompt_len}, {world} ranks)"
+                )
+            valid = pos < prompt_len
+            keys, values, pos = keys[..., valid, :], values[..., valid, :], pos[valid]
+        else:
+            pos = pos[pos < prompt_len]
+            keys, values = keys.index_select(-2, pos), values.index_select(-2, pos)
+        layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank))
+    return cache_cls(layers, group, world, rank)
