@@ -8,6 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .dp_mesh import register
+
 
 @dataclass(frozen=True)
 class TSPGroup:
@@ -24,19 +26,34 @@ class TSPGroup:
     # Data parallelism on top: the other axis of a 2-D mesh, over which gradients are averaged.
     dp_name: str = ""
     dp_size: int = 1
+    # "replicate" (gradients all-reduced over dp, runtime/data_parallel.py), "fsdp" or "hsdp"
+    # (parameters, gradients and optimizer state split over dp too, runtime/dp_shard.py)
+    dp_mode: str = "replicate"
 
 
 class GroupResolutionError(ValueError):
     pass
 
 
-def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGroup:
+def resolve_group(
+    group: Any = None, mesh_dim: str | int | None = None, data_parallel: str = "replicate"
+) -> TSPGroup:
     """Resolve the ``group`` option into a TSPGroup.
 
     ``group`` may be None (the default world group, or a single-process run when no process
     group is initialised), a ``ProcessGroup``, or a ``DeviceMesh`` together with ``mesh_dim``
-    (a dimension name or index; a 1-D mesh needs none).
+    (a dimension name or index; a 1-D mesh needs none). ``data_parallel="fsdp"`` needs a 2-D
+    mesh (its other dimension is the data-parallel axis), ``"hsdp"`` a 3-D one
+    (replicate, shard, tsp) (``runtime/dp_mesh.py``).
     """
+    need = {"fsdp": 2, "hsdp": 3}.get(data_parallel)
+    if need is not None and getattr(group, "ndim", 0) != need:
+        raise GroupResolutionError(
+            f"data_parallel={data_parallel!r} needs a {need}-D DeviceMesh "
+            f"{'(dp, tsp)' if need == 2 else '(replicate, shard, tsp)'} as 'group', e.g. "
+            "options={'group': init_device_mesh(device, (dp, D), mesh_dim_names=('dp', "
+            "'tsp')), 'mesh_dim': 'tsp', 'data_parallel': 'fsdp'}"
+        )
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             _refuse_launcher_without_group()
@@ -63,17 +80,18 @@ def resolve_group(group: Any = None, mesh_dim: str | int | None = None) -> TSPGr
                 f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh "
                 f"(dims: {mesh.mesh_dim_names}): {e}"
             ) from e
-        if mesh.ndim > 2:
+        if mesh.ndim > 3 or mesh.ndim == 3 and data_parallel != "hsdp":
             raise GroupResolutionError(
-                f"a {mesh.ndim}-D DeviceMesh: tspc composes with one data-parallel axis; pass a "
-                "2-D (dp, tsp) mesh, or the TSP axis's own ProcessGroup"
+                f"a {mesh.ndim}-D DeviceMesh: tspc composes with one data-parallel axis (a 2-D "
+                "(dp, tsp) mesh), or with HSDP's two (a 3-D (replicate, shard, tsp) mesh with "
+                "data_parallel='hsdp'); or pass the TSP axis's own ProcessGroup"
             )
-        if mesh.ndim == 2:
-            names = mesh.mesh_dim_names or ("0", "1")
+        if mesh.ndim >= 2:
+            names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
             tsp_index = names.index(mesh_dim) if isinstance(mesh_dim, str) else int(mesh_dim)
-            dp = mesh.get_group(1 - tsp_index)
             base = _plain(group)
-            return TSPGroup(base.name, base.rank, base.size, dp.group_name, dist.get_world_size(dp))
+            dp_name, dp_size = register(base.name, mesh, tsp_index, data_parallel)
+            return TSPGroup(base.name, base.rank, base.size, dp_name, dp_size, data_parallel)
     elif mesh_dim is not None:
         raise GroupResolutionError("'mesh_dim' is only meaningful when 'group' is a DeviceMesh")
     return _plain(group)

@@ -166,16 +166,20 @@ def is_released(t: torch.Tensor) -> bool:
     return bool(entry and entry.released and isinstance(t, ReleasedParameter))
 
 
-def release_original(p: nn.Parameter) -> int:
+def release_original(p: nn.Parameter, whole_too: bool = False) -> int:
     """Free the storage of an original full parameter the modules no longer hold; returns the
-    number of bytes released."""
+    number of bytes released. ``whole_too``: also one tspc does not shard over the TSP axis
+    (with ``data_parallel="fsdp"`` every parameter's DTensor is split over the mesh)."""
     entry = STORE.get(p)
-    if entry is None or entry.released:
+    if isinstance(p, ReleasedParameter) or entry is None and not whole_too:
+        return 0
+    if entry is not None and entry.released:
         return 0
     storage = p.untyped_storage()
     freed = storage.nbytes()
     storage.resize_(0)
     p.grad = None  # a gradient of the full tensor is meaningless now
     p.__class__ = ReleasedParameter
-    entry.released = True
+    if entry is not None:
+        entry.released = True
     return freed

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .dp_shard import is_dp_sharded
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -106,7 +108,13 @@ class ShardStore:
         entry = self._entries[full]
         if spec not in entry.own:
             raise KeyError(f"tspc: {spec} is not one of this rank's slices {entry.own}")
-        if entry.dparam is not None:  # cut already: the DTensor's local tensor has it
+        if entry.dparam is not None and is_dp_sharded(entry.dparam):
+            # split over dp as well: gathering it here would be a collective inside one
+            # rank's compile; the value of an example input does not matter, its shape does
+            shape = list(full.shape)
+            shape[spec.dim] = spec.length
+            src = full.new_zeros(shape)
+        elif entry.dparam is not None:  # cut already: the DTensor's local tensor has it
             with torch.no_grad():
                 local = entry.dparam.to_local()
             src = local.narrow(spec.dim, entry.offsets[spec], spec.length)

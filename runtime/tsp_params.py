@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
 from .compat import no_fake_mode, outermost_module_call, strided_shard
+from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -128,6 +129,10 @@ class TSPParam:
         return self.entry is not None and self.entry.placement[0] != "replicate"
 
     @property
+    def storage_less(self) -> bool:  # its stand-in holds no data: the DTensor is all there is
+        return self.sharded or is_dp_sharded(self.dparam)
+
+    @property
     def placement(self) -> tuple:
         return self.entry.placement if self.entry is not None else ("replicate",)
 
@@ -202,10 +207,16 @@ def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: b
             shape=full.shape,
             stride=full.stride(),
         )
-    entry.dparam = nn.Parameter(dt, requires_grad=full.requires_grad)
+    two_d = make_dparam(local, dt.placements[0], entry.group, full, STORE.held_whole(full))
+    entry.dparam = (
+        two_d if two_d is not None else nn.Parameter(dt, requires_grad=full.requires_grad)
+    )
 
 
-def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
+def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Parameter:
+    two_d = make_dparam(p.detach(), Replicate(), group, p, STORE.held_whole(p))
+    if two_d is not None:  # data_parallel="fsdp": split over the mesh (runtime/dp_shard.py)
+        return two_d
     with torch.no_grad():
         dt = DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False)
     return nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -230,7 +241,7 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
     rank must then read at least one slice of it, or the sums would not pair up across ranks
     (true of the layouts the passes make: fused Q/K/V, weights also used whole; separate K/V
     weights of shared KV heads never come here, they stay plain replicated inputs)."""
-    local = entry.dparam.to_local()
+    local = tsp_local(entry.dparam)
     if entry.placement[0] == "replicate" and entry.world > 1 and torch.is_grad_enabled():
         # the same gradient sum the graphs put after replicated inputs
         local = sync_replicated_grad(local, entry.group, entry.world, "replicated_slices")
@@ -254,16 +265,18 @@ def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
     mesh = mesh_of(group, p.device)
     if entry is not None and entry.dparam is not None:
         dparam = entry.dparam
-        handle = p if entry.placement[0] == "replicate" else _storage_less(p)
+        whole = entry.placement[0] == "replicate" and not is_dp_sharded(dparam)
+        handle = p if whole else _storage_less(p)
         STORE.alias(handle, p)
     else:
         entry = None
-        dparam, handle = _replicated_dparam(p, mesh), p
+        dparam = _replicated_dparam(p, mesh, group)
+        handle = _storage_less(p) if is_dp_sharded(dparam) else p
     tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
     REGISTRY.add(p, tp)
     REGISTRY.add(handle, tp)
     REGISTRY.add(dparam, tp)
-    if not tp.sharded:
+    if not tp.storage_less:
         # graphs get the DTensor's local tensor in its place (``graph_input``); a use of the
         # stand-in outside them (eager code between graph breaks) is routed here
         _route_grad(handle, tp)
@@ -274,7 +287,7 @@ def graph_input(tp: TSPParam) -> torch.Tensor:
     """What a compiled graph receives for this parameter in this call: the local tensor of a
     replicated DTensor (``to_local`` is differentiable: the gradient lands on the DTensor), or
     the storage-less stand-in of a sharded weight (the graph reads its slices instead)."""
-    return tp.handle if tp.sharded else tp.dparam.to_local()
+    return tp.handle if tp.sharded else tsp_local(tp.dparam)
 
 
 def adopt(tps: Iterable[TSPParam]) -> None:
@@ -300,8 +313,8 @@ def adopt(tps: Iterable[TSPParam]) -> None:
             if tp.placement[0] == "strided":
                 _add_state_dict_hooks(m)
             _add_load_hooks(m)
-        if tp.sharded:
-            release_original(p)
+        if tp.storage_less:
+            release_original(p, whole_too=True)
         tp.original = None  # released or the stand-in itself: nothing more to do with it
     if entry_module is not None:
         _watch(entry_module, todo)
@@ -402,10 +415,10 @@ def _refresh_handle(tp: TSPParam) -> None:
     stand-in follows it (Dynamo then compiles once for the new dtype)."""
     dp, h = tp.dparam, tp.handle
     if (h.dtype, h.device, h.requires_grad) == (dp.dtype, dp.device, dp.requires_grad) and (
-        tp.sharded or h.is_set_to(_local(dp))
+        tp.storage_less or h.is_set_to(_local(dp))
     ):
         return
-    if tp.sharded:
+    if tp.storage_less:
         new = _storage_less_like(dp)
     else:
         new = nn.Parameter(_local(dp), requires_grad=dp.requires_grad)
@@ -508,6 +521,7 @@ def _like_param(value: torch.Tensor, tp: TSPParam, keep_dtype: bool = False) -> 
         local = torch.cat(parts, d) if parts else value.new_empty(0)
     else:
         local = value
+    local = dp_part(local, dp)
     return DTensor.from_local(
         local if keep_dtype else local.to(dp.dtype),
         dp.device_mesh,

@@ -27,6 +27,7 @@ PACKAGE_DIRS = {
     "tspc.ops": "tspc/ops",
     "tspc.passes": "passes",
     "tspc.tools": "tspc/tools",
+    "tspc.tools.timemodel": "tspc/tools/timemodel",
     "tspc.samples": "samples",
     "tspc": "tspc",
 }
@@ -122,11 +123,6 @@ def test_the_readme_pass_list_is_the_registry():
     assert not missing, f"docs/architecture.md's table has no row for {missing}"
 
 
-# The one cycle another change removes (issue 31: plan.py and measure.py get a shared module
-# below both); until it lands, exactly this pair is allowed. Delete the entry with that change.
-CYCLES_ALLOWED = {frozenset({"tspc.tools.plan", "tspc.tools.measure"})}
-
-
 def library_files() -> dict[str, tuple[str, Path]]:
     """Dotted module name -> (package, file) for every library file: tspc/ (with ops/ and
     tools/), passes/, runtime/ and samples/, named as installed (pyproject's package-dir)."""
@@ -171,9 +167,7 @@ def test_the_import_graph_has_no_cycle():
     # the graph sees real imports: a few edges the layering rests on
     assert graph.has_edge("tspc.passes.shard_sequence", "tspc.passes.seq_propagate")
     assert graph.has_edge("tspc.backend", "tspc.pipeline")
-    cycles = [
-        c for c in nx.simple_cycles(graph) if frozenset(c) not in CYCLES_ALLOWED or len(c) != 2
-    ]
+    cycles = list(nx.simple_cycles(graph))
     shown = [
         " -> ".join(f"{a} (line {graph.edges[a, b]['line']})" for a, b in zip(c, c[1:] + c[:1]))
         for c in cycles[:20]
@@ -210,8 +204,6 @@ TORCH_PRIVATE_MEMBERS = {
 }
 # (file, private name) -> why it stays there for now
 PRIVATE_ATTRIBUTES_ALLOWED = {
-    ("tspc/tools/measure.py", "_dynamo"): "torch._dynamo.reset() -> torch.compiler.reset() "
-    "lands with the plan/measure split (issue 31), which owns this file",
     # nn.Module's registries, written directly to put a DTensor shard (or the released
     # placeholder) where a parameter was without nn.Module.__setattr__'s re-registration, as
     # torch's own fully_shard does; a compat accessor for 20 call sites is a change of its own

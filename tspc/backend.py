@@ -33,6 +33,7 @@ from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.data_parallel import average_grads_over
+from tspc.runtime.dp_shard import whole_over_dp
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.input_check import check_same_inputs
@@ -359,9 +360,9 @@ class _CompiledTSPGraph:
                     tp = prepare(flat[i], g.name, g.size)
                     flat[i] = graph_input(tp)
                     tps.append(tp)
-            if g.dp_size > 1:
+            if g.dp_size > 1:  # data_parallel="fsdp": its 2-D parameters average themselves
                 dp_params = [tp.dparam for tp in tps] or [flat[i] for i in self.params]
-                average_grads_over(dp_params, g.dp_name, g.dp_size)
+                average_grads_over(whole_over_dp(dp_params), g.dp_name, g.dp_size)
             with comm.timeout_scope(self.comm_timeout):
                 out = self.fn(*flat, *shards)
         if tps:
@@ -557,7 +558,7 @@ def _refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
 def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
     _refuse_presharded(list(example_inputs), gm)
-    group = resolve_group(opts.group, opts.mesh_dim)
+    group = resolve_group(opts.group, opts.mesh_dim, opts.data_parallel)
     dynamo_id = compiles.dynamo_compile_id()
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
     graph_id = None

@@ -38,6 +38,7 @@ from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.errors import TSPConfigError, describe_error
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE
+from tspc.runtime.tsp_params import tsp_param_of
 
 from . import compiles
 from .errors import REPORT_HINT, FallbackWarning, ReleasedWeightsNeededError, TSPCompileError
@@ -49,13 +50,21 @@ from .report import CompileReport, forget_report, remember
 log = logging.getLogger("tspc")
 
 
-def released_inputs(gm: fx.GraphModule, example_inputs: list[Any]) -> list[int]:
-    """Positions of the inputs ``gm`` reads whose full storage tspc already released."""
+def released_inputs(
+    gm: fx.GraphModule, example_inputs: list[Any], plain: bool = False
+) -> list[int]:
+    """Positions of the inputs ``gm`` reads whose full storage tspc already released; with
+    ``plain`` (a plain compile, fed the modules' stand-ins) also of a parameter split over the
+    data-parallel axis (``data_parallel="fsdp"``), which tspc's graphs get gathered."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = []
     for i, (node, ex) in enumerate(zip(placeholders, example_inputs)):
         entry = STORE.get(ex) if isinstance(ex, torch.Tensor) else None
-        if entry is not None and entry.released and node.users:
+        tp = tsp_param_of(ex) if isinstance(ex, torch.Tensor) else None
+        released = entry is not None and entry.released
+        if plain and tp is not None and tp.storage_less:
+            released = True
+        if released and node.users:
             out.append(i)
     return out
 
@@ -141,7 +150,7 @@ def fall_back(
         raise TSPCompileError(
             f"tspc (strict): compiling graph {graph_id} with the TSP schedules failed: {what}"
         ) from cause
-    released = released_inputs(dynamo_gm, example_inputs)
+    released = released_inputs(dynamo_gm, example_inputs, plain=True)
     if released:
         names = [
             n.name

@@ -53,7 +53,7 @@ from tspc.generate_cache import (
 )
 from tspc.runtime.compat import compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm, merge_partials, partial_attention
-from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_param_of
+from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_local, tsp_param_of
 
 ATTN_NAME = "tspc_decode"
 
@@ -193,7 +193,7 @@ def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
             if tp is None:
                 raise RuntimeError(f"tspc: {fqn}.{name} is no longer a TSP parameter")
             with torch.no_grad():
-                local = tp.dparam.to_local()
+                local = tsp_local(tp.dparam)  # gathered over dp with data_parallel='fsdp'
             saved.append((mod, name, p))
             mod._parameters[name] = local
         for mod, fqn in plan.row_parallel:

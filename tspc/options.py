@@ -17,6 +17,7 @@ _CHOICES = {
     "inner": ("eager", "aot_eager", "inductor"),
     "schedules": ("tsp", "sp", "none"),
     "recompute": ("none", "selective", "full"),
+    "data_parallel": ("replicate", "fsdp", "hsdp"),
 }
 
 
@@ -27,6 +28,13 @@ class TSPOptions:
     group: None (the default world group), a ``ProcessGroup``, or a ``DeviceMesh`` (then also
         ``mesh_dim``) — the ranks of the TSP axis.
     mesh_dim: the mesh dimension (name or index) of the TSP axis when ``group`` is a mesh.
+    data_parallel: what the other axis of a 2-D ``group`` mesh does: "replicate" (default:
+        every dp rank holds the TSP axis's parameters and optimizer state, gradients are
+        all-reduced in buckets, ``runtime/data_parallel.py``) or "fsdp" (parameters,
+        gradients and optimizer state also split over dp: 2-D DTensors, gathered per call,
+        gradients reduce-scattered; ``runtime/dp_shard.py``, docs/cluster.md) or "hsdp" (a 3-D
+        (replicate, shard, tsp) mesh: split over shard, gradients also averaged over
+        replicate).
     inputs: "replicated" — every rank passes the full batch; the graph takes its zigzag part.
     outputs: "gathered" (results equal one device) or "sharded" (each rank keeps its zigzag
         tokens; see ``tspc.zigzag_unshard``) — for long context, where gathering logits would
@@ -67,6 +75,7 @@ class TSPOptions:
 
     group: Any = None
     mesh_dim: str | int | None = None
+    data_parallel: str = "replicate"
     inputs: str = "replicated"
     outputs: str = "gathered"
     overlap: bool = True

@@ -145,7 +145,7 @@ def measure_rank(
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    torch._dynamo.reset()  # a fresh model per rank: stale guards would recompile, then give up
+    torch.compiler.reset()  # a fresh model per rank: stale guards would recompile, then give up
     last_id = tspc.report.last_graph_id()
     with (
         _fake_group(rank, world),

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tspc.tools import plan_dp
 from tspc.tools.plan_memory import (  # noqa: F401  (re-exported)
     REPORTED_7B_D8_GB,
     Crossover,
@@ -180,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tspc.tools.timemodel.cli import add_time_arguments
 
     add_time_arguments(parser)
+    plan_dp.add_arguments(parser)
     return parser
 
 
@@ -255,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             timed = run_time(args, model, inputs, quiet=args.json)
         except ValueError as err:
             parser.error(str(err))
+    dp_text, dp_json = plan_dp.report(plan, args)
     if args.json:
         out = to_json(plan)
+        out["data_parallel"] = dp_json
         if measured is not None:
             out["measured"] = measured[1]
         if timed is not None:
@@ -265,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         print(format_table(plan))
+        if dp_text:
+            print(dp_text)
         if measured is not None:
             print(measured[0])
         if timed is not None:
