@@ -1,6 +1,6 @@
 """Mixture of experts on the TSP axis (issue 27): expert parallelism, exact against one process.
 
-Each MoE family of transformers that builds small is built with random weights from a tiny
+Each top-k MoE family of transformers that builds small is built with random weights from a tiny
 config (hidden 64, 2 layers, 4-6 experts, top-2) and run compiled with ``backend="tsp"`` on
 gloo ranks against the same model in one process without tspc: logits and every parameter's
 gradient (the stacked experts' gathered by DTensor, and this rank's shard against the same rows
@@ -42,8 +42,9 @@ MOE_FAMILIES: dict[str, dict] = {
     },
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
-    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
+# PhiMoE (sparse-mixer routing, no top-k) is left out of expert parallelism with its reason:
+# its router's gradient differed from one process here (docs/moe.md)
 
 
 def build(family: str, seed: int = 0, **extra):
