@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tspc.ops.keyed_random import SEED_TAG
 from tspc.runtime.comm import is_transfer_wait
 
 from .schedule import is_view_or_pack
@@ -29,10 +30,16 @@ _RECOMPUTE_STARTS = (
 )
 
 
+def _is_recomputed_start(n: fx.Node) -> bool:
+    """A weight broadcast, K/V gather or ring hop — not the broadcast of the random ops' seed
+    (``passes/keyed_random.py``): its 16 bytes are saved, not sent again in backward."""
+    return n.target in _RECOMPUTE_STARTS and n.args[-1] != SEED_TAG
+
+
 def _is_recomputed_wait(n: fx.Node) -> bool:
     """The wait of a weight broadcast, K/V gather or ring hop (in a traced graph, the
     ``wait_tensor`` of such a start)."""
-    return is_transfer_wait(n) and n.args[0].target in _RECOMPUTE_STARTS
+    return is_transfer_wait(n) and _is_recomputed_start(n.args[0])
 
 
 TAGGED_BY = "tspc_tagged_by"
@@ -77,7 +84,7 @@ def mark_transfers_for_recompute(graph: fx.Graph) -> int:
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target in _RECOMPUTE_STARTS:
+        if _is_recomputed_start(n):
             _mark(n)
             marked += 1
             # the packed weights the broadcast sends: a cheap cat of local shards

@@ -61,8 +61,11 @@ class AttentionSpec:
     k_elem_size: int
     kernel: str  # zigzag_causal | sdpa_masked_rows | sdpa
     cross: tuple[tuple[str, str], ...] = ()  # statistics over all heads: (node name, sum|mean)
-    fused_q_heads: int = 0  # a fused QKV whose query projection has fewer heads than K/V
-    # (Falcon's grouped layout, K/V expanded before RoPE); 0 otherwise
+    fused_q_heads: int = 0  # the K/V heads a model projects when it expands them before its
+    # head-local ops (Falcon's grouped fused QKV, torchtune's / torchtitan's GQA before RoPE or
+    # the transpose): fewer than kv_heads, the heads the call sees; 0 otherwise
+    v_head_dim: int = 0  # the values' head size when it differs from q/k's (0: the same)
+    v_numel: int = 0  # elements of this rank's values (0: as many as its keys)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ def plan_attention(s: AttentionSpec) -> AttentionPlan:
                 )
         hq_l = s.q_heads // D
         o_in_dim = 0 if s.o_transposed else 1  # the weight dim of the heads' features
-        o_slice = ShardSpec(o_in_dim, r * hq_l * s.head_dim, (r + 1) * hq_l * s.head_dim)
+        dv = s.v_head_dim or s.head_dim
+        o_slice = ShardSpec(o_in_dim, r * hq_l * dv, (r + 1) * hq_l * dv)
         out.append(_component("o_w", s.o_shape, o_slice))
         return out
 
@@ -165,7 +169,9 @@ def plan_attention(s: AttentionSpec) -> AttentionPlan:
     sweeps = 2 if cross else 1
     n_kv_groups = s.kv_heads if shared_kv else D
     kv_local = local_heads(s.kv_heads, D)
-    kv_group_bytes = s.k_numel // s.kv_heads * kv_local * s.k_elem_size
+    # one head group's K and V bytes, averaged (values may have a head size of their own)
+    kv_numel = s.k_numel + (s.v_numel or s.k_numel)
+    kv_group_bytes = kv_numel // s.kv_heads * kv_local * s.k_elem_size // 2
     step_numel = [sum(c.numel for c in comps) for comps in steps]
     report = AttentionRewrite(
         module=s.module,
@@ -184,8 +190,8 @@ def plan_attention(s: AttentionSpec) -> AttentionPlan:
         else 0,
     )
     if s.fused_q_heads and s.fused_q_heads < s.kv_heads and D > 1:
-        # Falcon's grouped layout: the KV heads are expanded (broadcast_to) before RoPE, so
-        # the keys the schedule gathers already have the query heads' count
+        # the KV heads are expanded before RoPE (Falcon's broadcast_to, torchtune's view +
+        # expand + reshape), so the keys the schedule gathers have the query heads' count
         kv_bytes = 2 * n_kv_groups * (D - 1) * kv_group_bytes
         extra = kv_bytes - kv_bytes * s.fused_q_heads // s.kv_heads
         report.model_kv_heads = s.fused_q_heads

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from tspc.runtime.comm import SIDE_EFFECT_OPS
 from tspc.runtime.compat import (
     OpOverload,
     OpOverloadPacket,
@@ -252,8 +253,11 @@ def has_side_effects(n: fx.Node) -> bool:
     call) as pure, so its dead-code elimination drops an in-place accumulation whose result is
     not used — transformers' MoE blocks add the routed experts into the shared expert's output
     that way. Also functorch's level changes (vmap nesting: ``interpreter_state_functions``),
-    which fx does not count as impure."""
-    if n.op == "call_function" and n.target in _interpreter_state_functions():
+    which fx does not count as impure; and tspc's collectives (``runtime/comm.py``), which
+    tspc marks impure for fx only while aot_autograd compiles its graphs."""
+    if n.op == "call_function" and (
+        n.target in _interpreter_state_functions() or n.target in SIDE_EFFECT_OPS
+    ):
         return True
     try:
         if n.is_impure():
@@ -336,6 +340,16 @@ def module_fqn_of_param(param_fqn: str) -> str:
     """``model.layers.0.self_attn.q_proj.weight`` -> ``model.layers.0.self_attn``."""
     parts = param_fqn.split(".")
     return ".".join(parts[:-2]) if len(parts) > 2 else ".".join(parts[:-1])
+
+
+def projection_module(weight_fqn: str) -> str:
+    """The module a projection weight belongs to: ``...self_attn.q_proj.weight`` ->
+    ``...self_attn`` (a Linear's weight names its layer's parent); a bare parameter that a
+    module applies itself (``einsum("bsd,ed->bse", x, self.wq)``) -> that module."""
+    parts = weight_fqn.split(".")
+    if parts[-1] in ("weight", "bias"):
+        return module_fqn_of_param(weight_fqn)
+    return ".".join(parts[:-1])
 
 
 def node_module_fqn(node: fx.Node) -> str:

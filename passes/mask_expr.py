@@ -175,6 +175,16 @@ class MaskEvaluator:
                     self.expr(x, self._bcast(x, out_shape, idx)),
                 ),
             )
+        if name in ("triu", "tril") and len(out_shape) >= 2:
+            # nanoGPT-style ``full((S, S), -inf).triu(1)``: element [i, j] is kept where
+            # j - i >= diagonal (triu) / <= diagonal (tril), else 0
+            x, diag = node.args[0], arg(node, 1, "diagonal", 0)
+            if not isinstance(diag, int):
+                raise Opaque(f"{name} with a diagonal of {diag!r}")
+            diff = _fold_op("sub", (idx[-1], idx[-2]))
+            keep = _fold_op("ge" if name == "triu" else "le", (diff, ("const", diag)))
+            zero = ("const", False if tv.dtype == torch.bool else 0)
+            return _fold_op("where", (keep, self.expr(x, idx), zero))
         if is_getitem(node) and isinstance(node.args[0], fx.Node):
             return self._getitem(node, out_shape, idx)
         folded = self._fold(node)

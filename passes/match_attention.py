@@ -24,12 +24,13 @@ from tspc.runtime.errors import TSPConfigError, describe_error
 
 from .analyse import GraphInfo
 from .elementwise import is_reshape
+from .gqa import NoMatch, head_repeat_chain, projected_kv_heads
 from .graph_utils import (
     arg,
     is_getitem,
-    module_fqn_of_param,
     node_module_fqn,
     op_name,
+    projection_module,
     shape,
     tensor_inputs,
 )
@@ -46,6 +47,7 @@ class Skip:
     # rather than a reason the module's form gives
     error: BaseException | None = None
     fix: str = ""  # what the user can change to have it sharded (another D), if anything
+    anchor: fx.Node | None = None  # the attention call / the MLP's down projection (census)
 
 
 def failed(kind: str, module: str, stage: str, error: BaseException) -> Skip:
@@ -117,6 +119,7 @@ class AttentionMatch:
     mask: fx.Node | None = None
     scale: float | None = None
     o_proj: Linear | None = None  # the output projection as a Linear (orientation, bias)
+    v_head_dim: int = 0  # the values' head size (SDPA allows one unlike q's and k's)
 
     @property
     def o_transposed(self) -> bool:
@@ -165,61 +168,11 @@ def sdpa_args(node: fx.Node) -> dict:
     return out
 
 
-class _NoMatch(Exception):
-    def __init__(self, reason: str, fix: str = ""):
-        super().__init__(reason)
-        self.fix = fix  # what the user can change (passes/held_whole.py), if anything
+_NoMatch = NoMatch  # what the user can change (passes/held_whole.py) is its ``fix``
 
 
 def _param_linear(node: fx.Node, params) -> bool:
     return as_linear(node, params) is not None
-
-
-def _single_user(node: fx.Node) -> bool:
-    return len(node.users) == 1
-
-
-def _head_repeat_chain(kv: fx.Node, heads_target: int) -> tuple[fx.Node, list[fx.Node]]:
-    """Walk back over Llama-style ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``) or
-    ``repeat_interleave(n, dim=1)``. Returns (root before repetition, the repetition nodes)."""
-    node = kv
-    name = op_name(node)
-    if name == "repeat_interleave" and _single_user(node):
-        rep = arg(node, 1, "repeats")
-        dim = arg(node, 2, "dim")
-        if isinstance(rep, int) and dim in (1, -3):
-            return node.args[0], [node]
-        return kv, []
-    if name in ("reshape", "view") and _single_user(node):
-        exp = node.args[0]
-        if isinstance(exp, fx.Node) and op_name(exp) == "expand" and _single_user(exp):
-            ins = exp.args[0]
-            if isinstance(ins, fx.Node) and _single_user(ins):
-                src_shape = shape(ins)
-                exp_shape = shape(exp)
-                out_shape = shape(node)
-                inserted = False
-                if op_name(ins) == "unsqueeze" and arg(ins, 1, "dim") in (2, -3):
-                    inserted = True
-                elif is_getitem(ins):
-                    idx = ins.args[1]
-                    inserted = (
-                        isinstance(idx, tuple)
-                        and len(idx) >= 3
-                        and idx[2] is None
-                        and all(isinstance(i, slice) and i == slice(None) for i in idx[:2])
-                    )
-                if (
-                    inserted
-                    and len(src_shape) == 5
-                    and src_shape[2] == 1
-                    and exp_shape[:2] == src_shape[:2]
-                    and exp_shape[3:] == src_shape[3:]
-                    and len(out_shape) == 4
-                    and out_shape[1] == exp_shape[1] * exp_shape[2] == heads_target
-                ):
-                    return ins.args[0], [node, exp, ins]
-    return kv, []
 
 
 def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[fx.Node]]:
@@ -448,18 +401,19 @@ def match_attention(
             module = _guess_module(node, a, params)
             matches.append(_match_one(node, a, params, module, world))
         except _NoMatch as e:
-            skips.append(Skip("attention", module, str(e), fix=e.fix))
+            skips.append(Skip("attention", module, str(e), fix=e.fix, anchor=node))
         except TSPConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - this attention alone is skipped and reported
             skips.append(failed("attention", module, "match", e))
+            skips[-1].anchor = node
     return matches, skips
 
 
 def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
     try:
         lin, _ = _find_projection(a["query"], params, "q")
-        return module_fqn_of_param(params[as_linear(lin, params).weight].fqn)
+        return projection_module(params[as_linear(lin, params).weight].fqn)
     except _NoMatch:
         return node_module_fqn(sdpa) or sdpa.name
 
@@ -480,11 +434,9 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     mask = a["attn_mask"]
     if a["is_causal"] and mask is not None:
         raise _NoMatch("both is_causal and attn_mask are set")
-    hq, d = qs[1], qs[3]
-    if vs[3] != d:
-        raise _NoMatch("value head_dim differs from query head_dim")
-    k_root, k_rep = _head_repeat_chain(k, hq)
-    v_root, v_rep = _head_repeat_chain(v, hq)
+    hq, d, dv = qs[1], qs[3], vs[3]  # values may have a head size of their own
+    k_root, k_rep = head_repeat_chain(k, hq)
+    v_root, v_rep = head_repeat_chain(v, hq)
     hkv = shape(k_root)[1]
     if shape(v_root)[1] != hkv:
         raise _NoMatch("keys and values have different head counts")
@@ -518,9 +470,16 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     if len(xs) != 1:
         raise _NoMatch("the q, k and v projections read different inputs")
     x = next(iter(xs))
+    kv_proj_heads = hkv
+    if not k_rep and hkv == hq and kp.key() != qp.key() and vp.key() != qp.key():
+        # GQA repeated before the last head-local ops (torchtitan's ``repeat_kv`` before the
+        # transpose, torchtune's view + expand + reshape before RoPE): the keys reach the call
+        # with the query heads' count, but the k/v projections hold fewer heads. The
+        # repetition stays in the region and runs per head group on that group's KV heads.
+        kv_proj_heads = projected_kv_heads(kp, vp, hq, d, dv, world)
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
     by_key: dict[tuple, Projection] = {}
-    for p, heads in ((qp, hq), (kp, hkv), (vp, hkv)):
+    for p, heads in ((qp, hq), (kp, kv_proj_heads), (vp, kv_proj_heads)):
         p = by_key.setdefault(p.key(), p)
         if p.n_heads and p.n_heads != heads:
             raise _NoMatch("a fused projection serves q and k/v with different head counts")
@@ -532,9 +491,9 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
     o_lin = _o_projection(sdpa, params)
     o_proj = as_linear(o_lin, params)
     o_w = o_proj.weight
-    if o_proj.in_features != hq * d:
+    if o_proj.in_features != hq * dv:
         raise _NoMatch(
-            f"output projection input size {o_proj.in_features} != heads*head_dim {hq * d}"
+            f"output projection input size {o_proj.in_features} != heads*head_dim {hq * dv}"
         )
     if world > 1 and any(params[p.weight].example is None for p in (qp, kp, vp)):
         raise _NoMatch("projection weight is not available")
@@ -552,6 +511,7 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         q_heads=hq,
         kv_heads=hkv,
         head_dim=d,
+        v_head_dim=dv,
         seq_len=qs[2],
         k_root=k_root,
         v_root=v_root,

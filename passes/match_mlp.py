@@ -28,12 +28,21 @@ from tspc.runtime.errors import TSPConfigError
 
 from .analyse import GraphInfo
 from .elementwise import Nature, is_reshape, nature
-from .graph_utils import arg, is_getitem, module_fqn_of_param, op_name, shape, tensor_inputs, val
+from .graph_utils import (
+    arg,
+    is_getitem,
+    module_fqn_of_param,
+    op_name,
+    projection_module,
+    shape,
+    tensor_inputs,
+    val,
+)
 from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .projection import _MATMULS, Linear, as_linear
 
-_ATTENTION = ("sdpa", "softmax")
+_ATTENTION = ("sdpa", "softmax", "flex_attention")
 _ROUTING = ("topk", "argmax", "argsort", "sort")
 # how far back from a down projection the search for its up projection looks (nodes)
 _SEARCH_LIMIT = 64
@@ -312,6 +321,7 @@ def match_mlp(
         if out is None:
             continue
         if isinstance(out, Skip):
+            out.anchor = node
             if out.module not in reported:
                 skips.append(out)
                 reported.add(out.module)
@@ -330,7 +340,7 @@ def _nested(a: str, b: str) -> bool:
 
 
 def _module(lin: Linear, params) -> str:
-    return module_fqn_of_param(params[lin.weight].fqn)
+    return projection_module(params[lin.weight].fqn)
 
 
 def _name(lin: Linear, params) -> str:

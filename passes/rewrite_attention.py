@@ -113,7 +113,6 @@ def attention_spec(
     """The numbers of matched attention ``m`` that its plan is made from."""
     q_key = m.q.key()
     k_local = tensor_val(m.k_root)
-    fused = m.q.key() == m.k.key() == m.v.key()
     return AttentionSpec(
         module=m.module,
         world=group.size,
@@ -141,7 +140,9 @@ def attention_spec(
         k_elem_size=k_local.element_size(),
         kernel=kernel,
         cross=tuple((n.name, kind) for n, kind in cross.items()),
-        fused_q_heads=m.q.n_heads if fused else 0,
+        fused_q_heads=m.k.n_heads if m.k.n_heads < m.kv_heads else 0,
+        v_head_dim=m.v_head_dim if m.v_head_dim != m.head_dim else 0,
+        v_numel=tensor_val(m.v_root).numel(),
     )
 
 

@@ -27,21 +27,21 @@ from tspc.ops.zigzag_attention import causal_attention
 from tspc.runtime.compat import TORCH_C_NAMESPACES, OpOverload
 
 # Token-wise math: every output element depends on the same position of every operand
-# (operands broadcast). In-place spellings (``add_``, ``operator.iadd``) are included.
+# (operands broadcast). In-place spellings (``add_``, ``operator.iadd``) are included. Random
+# ops are not token-wise: a rank's draw depends on which tokens it holds (passes/keyed_random.py
+# keys dropout and rand_like/randn_like; the others are gathered).
 ELEMENTWISE_NAMES = (
     "add sub mul div floor_divide remainder fmod pow neg abs exp expm1 log log1p log2 sqrt rsqrt "
     "sin cos tan tanh sinh cosh sigmoid silu gelu relu relu6 leaky_relu elu selu celu softplus "
     "mish hardtanh hardswish hardsigmoid erf erfc reciprocal clamp clamp_min clamp_max clip where "
     "masked_fill eq ne lt le gt ge bitwise_and bitwise_or bitwise_xor bitwise_not logical_and "
     "logical_or logical_xor logical_not maximum minimum lerp square sign nan_to_num float half "
-    "bfloat16 double int long bool to contiguous clone detach type type_as dropout round floor "
+    "bfloat16 double int long bool to contiguous clone detach type type_as round floor "
     "ceil trunc isnan isinf isfinite atan2 addcmul addcdiv copysign zeros_like ones_like "
-    "full_like empty_like rand_like randn_like requires_grad_ sgn frac"
+    "full_like empty_like requires_grad_ sgn frac"
 ).split()
 # Elementwise ops whose output is shaped by the first tensor argument alone.
-FIRST_ARG_ONLY_NAMES = (
-    "type_as to zeros_like ones_like full_like empty_like rand_like randn_like".split()
-)
+FIRST_ARG_ONLY_NAMES = "type_as to zeros_like ones_like full_like empty_like".split()
 # New tensors from sizes: replicated unless a rule says otherwise.
 FACTORY_NAMES = (
     "arange zeros ones full empty tensor randn rand randint eye linspace logspace new_zeros "
@@ -138,7 +138,11 @@ def is_elementwise(node: fx.Node) -> bool:
     if in_table(node, ELEMENTWISE):
         return True
     t = node.target if node.op == "call_function" else None
-    return isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags
+    return (
+        isinstance(t, OpOverload)
+        and torch.Tag.pointwise in t.tags
+        and torch.Tag.nondeterministic_seeded not in t.tags  # draws from the generator
+    )
 
 
 def is_first_arg_only(node: fx.Node) -> bool:

@@ -20,6 +20,7 @@ from tspc.runtime.group import TSPGroup
 from tspc.runtime.zigzag import drop_padding, fill_padding, padded_length, zigzag_slice
 
 from .analyse import GraphInfo
+from .gqa import head_repeat_chain
 from .graph_utils import (
     is_getitem,
     node_module_fqn,
@@ -31,7 +32,7 @@ from .graph_utils import (
     tensor_val,
 )
 from .layout import Sharded
-from .match_attention import _head_repeat_chain, sdpa_args
+from .match_attention import sdpa_args
 from .seq_ops import (
     ALONG_DIM,
     ATTENTION,
@@ -231,7 +232,7 @@ class SequenceWalk:
                 kv = a[which]
                 if not isinstance(kv, fx.Node) or heads is None:
                     continue
-                root, chain = _head_repeat_chain(kv, heads)
+                root, chain = head_repeat_chain(kv, heads)
                 if chain:
                     self.kv_roots[root] = (chain[-1], n)
 

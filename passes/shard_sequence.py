@@ -64,7 +64,7 @@ from tspc.runtime.zigzag import padded_length
 from .analyse import GraphInfo
 from .graph_utils import eliminate_dead_code, shape
 from .match_attention import sdpa_args
-from .seq_ops import ATTENTION, in_table, rule_table
+from .seq_ops import ATTENTION, in_table, resolve, rule_table
 from .seq_propagate import SequenceWalk
 from .seq_rule_api import RuleTable, SeqShardReport
 from .seq_rules_attention import RULES as ATTENTION_RULES
@@ -72,6 +72,7 @@ from .seq_rules_attention import sdpa_local_queries
 from .seq_rules_math import RULES as MATH_RULES
 from .seq_rules_math import rule_along_dim, rule_elementwise, rule_reduction
 from .seq_rules_moe import RULES as MOE_RULES
+from .seq_rules_random import RULES as RANDOM_RULES
 from .seq_rules_shape import RULES as SHAPE_RULES
 
 __all__ = ["SeqShardReport", "find_sequence_length", "sdpa_local_queries", "shard_sequence"]
@@ -79,7 +80,7 @@ __all__ = ["SeqShardReport", "find_sequence_length", "sdpa_local_queries", "shar
 
 # Rules for named ops; elementwise, along-a-dim and reduction ops go by their tables.
 RULES = RuleTable(
-    named=rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, MOE_RULES),
+    named=rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, RANDOM_RULES, MOE_RULES),
     elementwise=rule_elementwise,
     along_dim=rule_along_dim,
     reduction=rule_reduction,
@@ -87,7 +88,9 @@ RULES = RuleTable(
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int | None:
-    """The query length of the graph's self-attention calls (their common value)."""
+    """The query length of the graph's self-attention calls (their common value); with none,
+    the length of square ``[B, H, S, S]`` scores a softmax reads (eager attention the passes
+    left as math, e.g. for its dropout)."""
     lengths = []
     for n in gm.graph.nodes:
         if in_table(n, ATTENTION):
@@ -98,9 +101,27 @@ def find_sequence_length(gm: fx.GraphModule) -> int | None:
                 continue
             if len(qs) >= 2 and qs[-2] == ks[-2]:
                 lengths.append(qs[-2])
+    if not lengths:  # eager attention left as math (its dropout in training): square scores
+        lengths = [
+            shape(n.args[0])[-1]
+            for n in gm.graph.nodes
+            if in_table(n, _SOFTMAX)
+            and len(_shape_or_empty(n.args[0])) == 4
+            and shape(n.args[0])[-1] == shape(n.args[0])[-2]
+        ]
     if not lengths:
         return None
     return max(set(lengths), key=lengths.count)
+
+
+_SOFTMAX = resolve(["softmax", "_softmax"])
+
+
+def _shape_or_empty(x) -> tuple:
+    try:
+        return tuple(shape(x))
+    except (ValueError, TypeError, AttributeError):
+        return ()
 
 
 def padding_note(seq_len: int, padded: int, world: int, gather_outputs: bool) -> str:

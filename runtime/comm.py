@@ -13,7 +13,7 @@ The waits are ``CompositeImplicitAutograd``: the graph passes see one ``tspc::<k
 node (with the start's arguments, which they read), while aot_autograd traces it into
 ``_c10d_functional.wait_tensor(pending)`` and the plain layout ops after it, so the forward
 and backward graphs that Inductor compiles hold torch's own wait, and Inductor lowers each
-start as one of its collective kernels (``lower_for_inductor``): ``wait_tensor``'s volatile
+start as one of its collective kernels (``lowered_for_inductor``): ``wait_tensor``'s volatile
 reads then keep the start's input buffer from being reused while the network reads it.
 The starts are issued through the c10d API (``dist.broadcast``, ``all_gather_single``,
 ``reduce_scatter_single``, ``all_reduce``, ``reduce``, ``batch_isend_irecv``) rather than the
@@ -52,7 +52,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .compat import lower_as_inductor_collective, register_work, wait_tensor_op
+from .compat import (
+    inductor_collective_lowerings,
+    marked_side_effectful,
+    register_work,
+    wait_tensor_op,
+)
 from .counters import count_collective
 from .group import process_group
 from .zigzag import zigzag_stack_parts, zigzag_unshard
@@ -434,9 +439,17 @@ _STARTS = {
 }
 _WAIT_TENSOR = wait_tensor_op()
 
-for _op in (*_STARTS, *(w for _, w in _STARTS.values()), _WAIT_TENSOR):
-    # A wait whose result is unused must still run: it pops the Work from torch's registry.
-    torch.fx.node.has_side_effect(_op)
+# Ops a graph must run even where their result is unused: a wait pops the Work from torch's
+# registry, a start issues a transfer its peers wait for. tspc's passes keep them
+# (``passes/graph_utils.has_side_effects``); aot_autograd and Inductor are told so only while
+# they compile tspc's graphs (``collectives_kept``), not process-wide.
+SIDE_EFFECT_OPS = frozenset((*_STARTS, *(w for _, w in _STARTS.values()), _WAIT_TENSOR))
+
+
+def collectives_kept():
+    """A context (and decorator) in which fx's dead-code elimination keeps ``SIDE_EFFECT_OPS``."""
+    return marked_side_effectful(SIDE_EFFECT_OPS)
+
 
 # start op -> its wait op in the graphs tspc's passes build (aot_autograd traces that wait
 # into ``wait_tensor`` and layout ops), and start op -> the collective's kind
@@ -476,11 +489,10 @@ def wait_of(start) -> torch.fx.Node | None:
     return next((u for u in start.users if is_transfer_wait(u)), None)
 
 
-def lower_for_inductor() -> None:
-    """Inductor lowers every tspc start as a collective kernel (``compat``'s
-    ``lower_as_inductor_collective``); idempotent."""
-    for op in START_KIND:
-        lower_as_inductor_collective(op)
+def lowered_for_inductor():
+    """A context in which Inductor lowers every tspc start as a collective kernel (``compat``'s
+    ``inductor_collective_lowerings``), removed again on exit."""
+    return inductor_collective_lowerings(START_KIND)
 
 
 # --------------------------------------------------------------------------- synchronous helpers

@@ -232,17 +232,42 @@ def wait_tensor_op():
     return torch.ops._c10d_functional.wait_tensor.default
 
 
-def lower_as_inductor_collective(op) -> None:
-    """Have Inductor lower ``op`` (returns a new buffer that a collective writes until its
-    ``wait_tensor``) as its own out-of-place collective kernel (``_CollectiveKernel``):
-    ``_WaitKernel.get_volatile_reads`` then keeps the op's input buffer from being reused
-    before the wait, while the network may still read it. Private Inductor API in 2.13."""
+@contextlib.contextmanager
+def inductor_collective_lowerings(ops):
+    """While the context is open, Inductor lowers each of ``ops`` (returns a new buffer that a
+    collective writes until its ``wait_tensor``) as its own out-of-place collective kernel
+    (``_CollectiveKernel``): ``_WaitKernel.get_volatile_reads`` then keeps the op's input
+    buffer from being reused before the wait, while the network may still read it. The
+    lowerings are removed again on exit: Inductor's table is the process's (private Inductor
+    API in 2.13)."""
     from torch._inductor.comm_lowering import _create_out_of_place
     from torch._inductor.lowering import lowerings, register_lowering
 
-    if op in lowerings:
-        return
-    register_lowering(op)(lambda inp, *args: _create_out_of_place(op, inp, *args))
+    added = [op for op in ops if op not in lowerings]
+    for op in added:
+        register_lowering(op)(lambda inp, *args, op=op: _create_out_of_place(op, inp, *args))
+    try:
+        yield
+    finally:
+        for op in added:
+            lowerings.pop(op, None)
+
+
+@contextlib.contextmanager
+def marked_side_effectful(fns):
+    """While the context is open, torch.fx's dead-code elimination (and aot_autograd's and
+    Inductor's, which ask ``Node.is_impure``) keeps calls of ``fns`` whose result is unused.
+    ``torch.fx.node._side_effectful_functions`` is one set for the whole process (its note asks
+    not to add operators to it for good): only those not already there are added, and removed
+    on exit, so graphs compiled outside the context are untouched."""
+    from torch.fx.node import _side_effectful_functions
+
+    added = [f for f in fns if f not in _side_effectful_functions]
+    _side_effectful_functions.update(added)
+    try:
+        yield
+    finally:
+        _side_effectful_functions.difference_update(added)
 
 
 def optimized_module_class() -> type:
@@ -327,3 +352,11 @@ def shape_env_guards(shape_env) -> list:
     """The sympy expressions a symbolic trace assumed of its sizes (``ShapeEnv.guards``, private
     in torch 2.13): a length for which one is false needs another trace."""
     return [g.expr for g in shape_env.guards]
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many tensors (TensorImpls) and storage handles share ``t``'s storage, the handle
+    this call makes included (``torch._C._storage_Use_Count``, private in torch 2.13): above 2,
+    another live tensor (a view, the flat buffer ``t`` was carved from, a tied alias) reads it,
+    so freeing it would pull the data from under that tensor."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .compat import disable_torch_function_subclass
+from .compat import disable_torch_function_subclass, storage_use_count
 from .shard_store import STORE
 
 _internal = [0]  # >0 while tspc itself handles released parameters (compiling, running)
@@ -166,18 +166,26 @@ def is_released(t: torch.Tensor) -> bool:
     return bool(entry and entry.released and isinstance(t, ReleasedParameter))
 
 
-def release_original(p: nn.Parameter, whole_too: bool = False) -> int:
+def release_original(p: nn.Parameter, whole_too: bool = False) -> int | None:
     """Free the storage of an original full parameter the modules no longer hold; returns the
-    number of bytes released. ``whole_too``: also one tspc does not shard over the TSP axis
-    (with ``data_parallel="fsdp"`` every parameter's DTensor is split over the mesh)."""
+    number of bytes released, or None where the storage is shared (below). ``whole_too``: also
+    one tspc does not shard over the TSP axis (with ``data_parallel="fsdp"`` every parameter's
+    DTensor is split over the mesh).
+
+    A storage another live tensor also uses (``p`` is a view, or was carved from a flat buffer,
+    or views of ``p`` exist) is left alone: ``resize_(0)`` would pull the data from under that
+    tensor (a parameter kept whole, a buffer), whose next read is a crash. ``p`` itself is
+    released all the same (its reads raise); only the memory stays until the other tensors go."""
     entry = STORE.get(p)
     if isinstance(p, ReleasedParameter) or entry is None and not whole_too:
         return 0
     if entry is not None and entry.released:
         return 0
-    storage = p.untyped_storage()
-    freed = storage.nbytes()
-    storage.resize_(0)
+    freed = None
+    if storage_use_count(p) <= 2:  # p and the handle storage_use_count makes
+        storage = p.untyped_storage()
+        freed = storage.nbytes()
+        storage.resize_(0)
     p.grad = None  # a gradient of the full tensor is meaningless now
     p.__class__ = ReleasedParameter
     if entry is not None:

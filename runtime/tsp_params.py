@@ -26,6 +26,7 @@ differentiable: gradients land on the DTensor parameters, as DTensors).
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,13 +34,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
 from .compat import no_fake_mode, outermost_module_call, strided_shard
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
+from .errors import TSPHeldWholeWarning
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -140,9 +141,13 @@ class TSPParam:
 class _Registry:
     """original parameter, stand-in and DTensor parameter -> their TSPParam.
 
-    The DTensor parameters are looked up by id, not through weak references: ``model.to()``
-    converts a DTensor parameter in place with ``torch.utils.swap_tensors``, which refuses a
-    tensor that has a weak reference."""
+    The DTensor parameters and the stand-ins are looked up by id, through a weak reference to
+    their TSPParam: ``model.to()`` converts a DTensor parameter in place with
+    ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference, and a
+    TSPParam holds its stand-in, so a dictionary weakly keyed on the stand-in would keep both
+    alive for good (with the model's replicated weights, whose stand-in is the original). The
+    TSPParams live as long as the module that runs them (``_WATCHED``), or an original
+    parameter an optimizer still holds."""
 
     def __init__(self) -> None:
         self._weak: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -151,13 +156,20 @@ class _Registry:
     def get(self, t: torch.Tensor) -> TSPParam | None:
         ref = self._by_id.get(id(t))
         tp = ref() if ref is not None else None
-        if tp is not None and tp.dparam is t:
+        if tp is not None and (tp.dparam is t or tp.handle is t):
             return tp
         return self._weak.get(t) if not isinstance(t, DTensor) else None
 
     def add(self, t: torch.Tensor, tp: TSPParam) -> None:
-        if isinstance(t, DTensor):
-            self._by_id[id(t)] = weakref.ref(tp)
+        if isinstance(t, DTensor) or t is tp.handle:
+            key = id(t)
+            by_id = self._by_id
+
+            def drop(ref: weakref.ref, key: int = key) -> None:
+                if by_id.get(key) is ref:
+                    del by_id[key]
+
+            by_id[key] = weakref.ref(tp, drop)
         else:
             self._weak[t] = tp
 
@@ -302,6 +314,7 @@ def adopt(tps: Iterable[TSPParam]) -> None:
     originals = [tp.original for tp in todo]
     owners = owner_modules_of(originals)
     entry_module = _entry_module()
+    shared = []
     for tp, p in zip(todo, originals):
         for m in owners[id(p)]:
             for name, v in m._parameters.items():
@@ -313,12 +326,23 @@ def adopt(tps: Iterable[TSPParam]) -> None:
             if tp.placement[0] == "strided":
                 _add_state_dict_hooks(m)
             _add_load_hooks(m)
-        if tp.storage_less:
-            release_original(p, whole_too=True)
+        if tp.storage_less and release_original(p, whole_too=True) is None:
+            shared.extend(f"{type(m).__name__}.{name}" for m, name in tp.owners[:1])
         tp.original = None  # released or the stand-in itself: nothing more to do with it
+    if shared:
+        warnings.warn(
+            f"tspc: {len(shared)} sharded weight(s) ({', '.join(shared[:4])}"
+            f"{', ...' if len(shared) > 4 else ''}) share their storage with other tensors "
+            "(views of one tensor, a flat buffer): it is not freed, so these weights still take "
+            "their full memory on every rank. Give each parameter its own storage before "
+            "compiling (p.data = p.data.clone()) for the 1/D memory.",
+            TSPHeldWholeWarning,
+            stacklevel=3,
+        )
     if entry_module is not None:
         _watch(entry_module, todo)
     else:
+        _UNWATCHED.extend(todo)  # no module to live as long as: kept for the process
         log.warning(
             "tspc: the compiled graph was not called from a module's __call__; the model now "
             "holds DTensor parameters and must be called through torch.compile(model, "
@@ -377,6 +401,7 @@ def _eager_guard(module: nn.Module, args) -> None:
 
 # --------------------------------------------------------------------------- the call's swap
 
+_UNWATCHED: list[TSPParam] = []
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
 
 
@@ -439,52 +464,6 @@ def _local(dp: torch.Tensor) -> torch.Tensor:
         return dp.to_local()
 
 
-# --------------------------------------------------------------------------- optimizers
-
-
-class OptimizerParameterError(RuntimeError):
-    """An optimizer holds a parameter tspc has since replaced, with state that does not fit."""
-
-
-def _check_optimizer(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    """Before every optimizer step: a parameter that tspc replaced by its DTensor (the
-    optimizer was built before the model's first call) is swapped for the DTensor, which is
-    where the gradients now land, and its state (a checkpoint loaded before the first call)
-    is cut to this rank's slices alongside. State that cannot be matched to the parameter
-    raises: stepping would be silently wrong."""
-    for group in opt.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            tp = REGISTRY.get(p)
-            if tp is None or p is tp.dparam:
-                continue
-            state = opt.state.pop(p, None)
-            if state:
-                opt.state[tp.dparam] = {k: _state_like(v, p, tp, opt) for k, v in state.items()}
-            params[i] = tp.dparam
-    if any(_is_strided(pl) for tp in _tps_of(opt) for pl in tp.dparam.placements):
-        _add_optimizer_hooks(opt)
-
-
-def _state_like(v, p: torch.Tensor, tp: TSPParam, opt: torch.optim.Optimizer):
-    if not isinstance(v, torch.Tensor) or isinstance(v, DTensor) or v.dim() == 0:
-        return v
-    if tuple(v.shape) != tuple(p.shape):
-        raise OptimizerParameterError(
-            f"tspc: {type(opt).__name__} holds state of shape {tuple(v.shape)} for a parameter "
-            f"of shape {tuple(p.shape)} that tspc replaced by its DTensor after the model's "
-            "first call; build the optimizer from model.parameters() after the first call"
-        )
-    return _like_param(v, tp, keep_dtype=True)
-
-
-def _tps_of(opt: torch.optim.Optimizer) -> list[TSPParam]:
-    return [tp for g in opt.param_groups for p in g["params"] if (tp := REGISTRY.get(p))]
-
-
-register_optimizer_step_pre_hook(_check_optimizer)
-
-
 # --------------------------------------------------------------------------- checkpoints
 #
 # torch.distributed.checkpoint describes a DTensor shard by one offset and one size: right for
@@ -495,7 +474,6 @@ register_optimizer_step_pre_hook(_check_optimizer)
 
 _SD_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _LOAD_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_OPT_HOOKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _as_plain_shard(t: torch.Tensor) -> torch.Tensor:
@@ -559,31 +537,3 @@ def _add_load_hooks(m: nn.Module) -> None:
                 state_dict[key] = _like_param(state_dict[key], tp)
 
     m.register_load_state_dict_pre_hook(pre)
-
-
-def _add_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
-    if opt in _OPT_HOOKED:
-        return
-    _OPT_HOOKED.add(opt)
-
-    def post(optimizer, state_dict):
-        for st in state_dict["state"].values():
-            for k, v in list(st.items()):
-                if isinstance(v, DTensor):
-                    st[k] = _as_plain_shard(v)
-        return state_dict
-
-    def pre(optimizer, state_dict):
-        ids = [p for g in optimizer.param_groups for p in g["params"]]
-        for idx, st in state_dict["state"].items():
-            p = ids[idx] if isinstance(idx, int) and idx < len(ids) else None
-            tp = REGISTRY.get(p) if p is not None else None
-            if tp is None:
-                continue
-            for k, v in list(st.items()):
-                if isinstance(v, DTensor) and v.shape == tp.dparam.shape:
-                    st[k] = _like_param(v, tp, keep_dtype=True)
-        return state_dict
-
-    opt.register_state_dict_post_hook(post)
-    opt.register_load_state_dict_pre_hook(pre)

@@ -29,7 +29,6 @@ def test_inductor_lowers_every_tspc_start_as_a_collective_and_its_wait_as_a_wait
 
     group = fake_group(0, 2)
     name, world = group.name, group.size
-    comm.lower_for_inductor()  # what tspc/inner.py does before Inductor compiles a graph
 
     def step(x, w):
         # every kind of transfer, each with compute around it
@@ -66,10 +65,14 @@ def test_inductor_lowers_every_tspc_start_as_a_collective_and_its_wait_as_a_wait
         return reorder(snodes, *args, **kwargs)
 
     monkeypatch.setattr(comms, "reorder_compute_and_comm_for_overlap", counting_reorder)
-    with inductor_config.patch(
-        _pre_fusion_custom_pass=record,
-        fx_graph_cache=False,
-        reorder_for_compute_comm_overlap=True,
+    with (
+        inductor_config.patch(
+            _pre_fusion_custom_pass=record,
+            fx_graph_cache=False,
+            reorder_for_compute_comm_overlap=True,
+        ),
+        comm.lowered_for_inductor(),  # what tspc/inner.py opens while Inductor compiles
+        comm.collectives_kept(),
     ):
         torch.compile(step, backend="inductor", fullgraph=True)(
             torch.randn(4, 8), torch.randn(8, 8)

@@ -153,7 +153,8 @@ def test_baseline_traces_have_the_documented_collectives(scheme: str, expected: 
     waited = {op.handle for op in ops if op.kind == "wait"}
     assert waited == {op.handle for op in ops if op.kind == "start"}  # every start is waited
     r = replay(ops, PRESETS["h100"])
-    assert r.step >= max(r.compute, r.communication) and 0 <= r.exposed <= r.communication
+    assert r.step >= max(r.compute, r.communication)
+    assert 0 <= r.exposed <= r.communication * (1 + 1e-9)  # all exposed at most (rounding)
 
 
 @pytest.mark.slow

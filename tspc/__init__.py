@@ -16,9 +16,13 @@ from tspc.generate import GenerateUnsupportedError, enable_generate
 from tspc.report import CompileReport, last_report
 from tspc.runtime.comm import CollectiveTimeout
 from tspc.runtime.errors import SequenceLengthError, TSPConfigError, TSPHeldWholeWarning
-from tspc.runtime.input_check import InputMismatchError
+from tspc.runtime.optimizers import OptimizerParameterError
+from tspc.runtime.rank_check import (
+    InputMismatchError,
+    ModuleStateMismatchError,
+    RanksDisagreeError,
+)
 from tspc.runtime.release import ReleasedParameterError, is_released
-from tspc.runtime.tsp_params import OptimizerParameterError
 from tspc.runtime.zigzag import zigzag_indices, zigzag_slice, zigzag_unshard
 
 __all__ = [
@@ -28,6 +32,8 @@ __all__ = [
     "GenerateUnsupportedError",
     "enable_generate",
     "InputMismatchError",
+    "ModuleStateMismatchError",
+    "RanksDisagreeError",
     "OptimizerParameterError",
     "PartitionerTagError",
     "SequenceLengthError",

@@ -36,7 +36,8 @@ from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.dp_shard import whole_over_dp
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
-from tspc.runtime.input_check import check_same_inputs
+from tspc.runtime.optimizers import watch as watch_optimizers
+from tspc.runtime.rank_check import RankCheck, communicates
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
 from tspc.runtime.tsp_params import (
@@ -186,13 +187,10 @@ def _compile_static(
                 "parts of unequal sizes, or an uneven split); held whole on every rank as a "
                 "Replicate() DTensor, gradient summed over the group (memory not 1/D)"
             )
-    checked = None
-    if opts.check_inputs and group.size > 1:
-        checked = [
-            (i, inp.node.name)
-            for i, inp in enumerate(info.inputs)
-            if inp.kind == "input" and isinstance(inp.example, torch.Tensor)
-        ]
+    rank_check = None  # ranks that disagree matter only to a graph that communicates
+    if group.size > 1 and (result.shard_inputs or communicates(result.gm)):
+        kinds = [(inp.kind, inp.fqn) for inp in info.inputs]
+        rank_check = RankCheck.of_graph(group, kinds, opts.check_inputs, opts.sync_module_states)
     params = [i for i, inp in enumerate(info.inputs) if inp.kind == "parameter"]
     layouts = {
         s.param_index: STORE.get(example_inputs[s.param_index]).layout for s in result.shard_inputs
@@ -203,7 +201,7 @@ def _compile_static(
         layouts,
         releasable,
         params,
-        checked,
+        rank_check,
         group,
         opts.comm_timeout,
     )
@@ -302,7 +300,8 @@ class _CompiledTSPGraph:
       modules hold DTensor parameters and the full weights are released
       (``runtime/tsp_params.py``).
     * With data parallelism, the parameters get their gradient-averaging hook.
-    * With ``check_inputs``, the ranks' inputs are compared first.
+    * Before a call, every rank checks that the ranks agree (``runtime/rank_check.py``): module
+      states at their first call, input shapes at the first call and when they change.
     """
 
     def __init__(
@@ -312,7 +311,7 @@ class _CompiledTSPGraph:
         layouts: dict,
         releasable: list[int],
         params: list[int],
-        checked_inputs: list[tuple[int, str]] | None,
+        rank_check: RankCheck | None,
         group: TSPGroup,
         comm_timeout: float | None = None,
     ):
@@ -332,7 +331,7 @@ class _CompiledTSPGraph:
         # another module (a block compiled once for every layer), whose weights are declared
         # on their first call here
         self.layouts = layouts
-        self.checked_inputs = checked_inputs
+        self.rank_check = rank_check
         self.group = group
         # Dynamo calls this with the graph's inputs as positional arguments (the function
         # aot_autograd returns takes them that way too, whatever its copied attributes say).
@@ -340,8 +339,8 @@ class _CompiledTSPGraph:
     def __call__(self, *args):
         flat = list(args)
         g = self.group
-        if self.checked_inputs:
-            check_same_inputs([(name, flat[i]) for i, name in self.checked_inputs], g.name, g.size)
+        if self.rank_check is not None:  # before any transfer, and before weights are cut
+            self.rank_check(flat)
         with tspc_internal():  # the inputs include the stand-ins of sharded weights
             views = {}
             for i, specs in self.shard_inputs:
@@ -367,6 +366,7 @@ class _CompiledTSPGraph:
                 out = self.fn(*flat, *shards)
         if tps:
             adopt(tps)
+            watch_optimizers(tps)  # optimizers built before this call hold the originals
         return out
 
 

@@ -7,7 +7,7 @@
   K/V are kept alive between forward and backward (``tsp_partition``).
 * ``inductor`` — the same, with Inductor compiling the local compute of both graphs; the
   collectives stay where the schedule placed them: each start an Inductor collective kernel
-  (``runtime/comm.py``'s ``lower_for_inductor``), each wait torch's ``wait_tensor``. Left alone, Inductor
+  (``runtime/comm.py``'s ``lowered_for_inductor``), each wait torch's ``wait_tensor``. Left alone, Inductor
   would undo the schedule: it fuses elementwise kernels of different head groups that read the
   same tables (RoPE's cos/sin), which drags group r+1's projections — and the wait for its
   weights — in front of group r's attention, and it reorders nodes for memory and locality.
@@ -221,8 +221,8 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
 
     if not any(_is_collective(n) for n in g.graph.nodes):
         return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
-    comm.lower_for_inductor()  # the starts as Inductor collective kernels (runtime/comm.py)
     with (
+        comm.lowered_for_inductor(),  # the starts as Inductor collective kernels (runtime/comm.py)
         inductor_config.patch(
             reorder_for_peak_memory=False,
             reorder_for_locality=False,
@@ -369,7 +369,9 @@ def compile_inner(
     # (``force_non_lazy_backward_lowering``): a failure in it (its passes, Inductor) then shows
     # while the full weights still exist and the backend can fall back to a plain compile
     # (``tspc/fallback.py``); at the first backward they are already released.
-    with autograd_cache_off(), eager_backward_compile():
+    # fx's dead-code elimination keeps the collectives while aot_autograd and Inductor compile
+    # (``comm.collectives_kept``; only for this compile, not for other graphs of the process).
+    with autograd_cache_off(), eager_backward_compile(), comm.collectives_kept():
         return aot_module_simplified(
             gm,
             example_inputs,

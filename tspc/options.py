@@ -52,8 +52,15 @@ class TSPOptions:
         all-gathered) — the sequence-parallel baseline; "none" runs the graph replicated.
     comm_timeout: seconds a collective may take before the run fails with an error naming it
         (also TSPC_COMM_TIMEOUT); None waits as long as the process group does.
-    check_inputs: before every call, check that all ranks passed the same inputs (one small
-        all-gather of input fingerprints per call); raises naming the input and the ranks.
+    check_inputs: "shapes" (default): at a communicating graph's first call and whenever a
+        rank's input shapes change, check that all ranks passed inputs of the same shapes and
+        dtypes (one small all-gather); True: also compare a checksum of the inputs' values,
+        every call; False: no input check. A difference raises ``tspc.InputMismatchError``
+        naming the input and the ranks on every rank, before any transfer
+        (``runtime/rank_check.py``).
+    sync_module_states: at the first call, broadcast the parameters and buffers that differ
+        from the TSP group's rank 0 instead of raising ``tspc.ModuleStateMismatchError`` (every
+        rank's module states are checked there, before any weight is sharded).
     recompute: activation recomputation inside the schedules (``passes/recompute.py``):
         "none" (default: aot_autograd's partitioner chooses what to save), "full" (every
         transformer block recomputed from its input in the backward: weights re-streamed, K/V
@@ -84,7 +91,8 @@ class TSPOptions:
     dump_dir: str | None = None
     schedules: str = "tsp"
     comm_timeout: float | None = None
-    check_inputs: bool = False
+    check_inputs: bool | str = "shapes"
+    sync_module_states: bool = False
     recompute: str = "none"
     loss_chunk: int | None = None
     dynamic_seq: bool = True
@@ -106,7 +114,14 @@ class TSPOptions:
         for name, choices in _CHOICES.items():
             if name in options and options[name] not in choices:
                 raise OptionError(f"option {name}={options[name]!r} is not one of {list(choices)}")
-        for name in ("overlap", "strict", "check_inputs", "dynamic_seq"):
+        if "check_inputs" in options and not (
+            isinstance(options["check_inputs"], bool) or options["check_inputs"] == "shapes"
+        ):
+            raise OptionError(
+                "option check_inputs must be 'shapes' (the default), True (also the values, "
+                f"every call) or False, got {options['check_inputs']!r}"
+            )
+        for name in ("overlap", "strict", "sync_module_states", "dynamic_seq"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
         if options.get("recompute", "none") != "none" and options.get("inner") == "eager":

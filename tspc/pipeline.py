@@ -45,10 +45,14 @@ from tspc.passes.aot_graphs import (
     split_recomputed_transfers,
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
+from tspc.passes.canonicalize_einsum import canonicalize_einsum
+from tspc.passes.canonicalize_flex import canonicalize_flex
+from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
+from tspc.passes.keyed_random import key_random_ops
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
 from tspc.passes.match_moe import match_moe
@@ -191,13 +195,25 @@ def _analyse(ctx: PassContext) -> None:
 
 
 def _canonicalize_attention(ctx: PassContext) -> None:
+    # einsum projections and products first: the eager attention they spell is then the
+    # matmul/softmax chain canonicalize_eager_attention reads
+    if canonicalize_einsum(ctx.gm, ctx.info.params):
+        ctx.report.notes.append("einsum calls lowered to linear/matmul")
+    flex = canonicalize_flex(ctx.gm)
+    if any(f.replaced for f in flex):  # the mask classifier reads the new nodes' values
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+    for f in flex:
+        if f.replaced:
+            ctx.report.notes.append(f"{f.module}: FlexAttention with a {f.reason} mask as SDPA")
+        else:  # an entry, so that no attention is silently left out
+            ctx.report.entries.append(ModuleEntry("attention", f.module, "skipped", f.reason))
     eager = canonicalize_eager_attention(ctx.gm)
     for e in eager:
-        if not e.replaced:  # an entry, so that no attention is silently left out
+        if not e.replaced:
             ctx.report.entries.append(
                 ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
             )
-    ctx.changed_by_eager = bool(eager)
+    ctx.changed_by_eager = bool(eager) or any(f.replaced for f in flex)
 
 
 def _classify_masks(ctx: PassContext) -> None:
@@ -226,6 +242,7 @@ def _match(ctx: PassContext) -> None:
             warn_module_skipped(ctx.report.graph_id, s.kind, s.module, s.error)
         details = {"fix": s.fix} if s.fix else {}
         ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason, details))
+    _census(ctx, att_skips + mlp_skips)
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
 
 
@@ -241,6 +258,29 @@ def _collapse_moe(ctx: PassContext) -> None:
         op = rewrite_guarded("mlp", m.module, lambda m=m: collapse_moe(ctx.gm, m))
         ctx.moe_ops.append((m, op))
     if ctx.moe_ops:
+        propagate_shapes(ctx.gm, ctx.example_inputs)
+
+
+def _census(ctx: PassContext, skips: list) -> None:
+    """Every attention- and MLP-like computation the census finds is in the report: one no
+    match or skip accounts for becomes a skip naming the form the matcher did not recognise."""
+    items = census(ctx.gm, ctx.info.params)
+    anchors = {m.sdpa: m.module for m in ctx.att_matches}
+    anchors |= {m.down.node: m.module for m in ctx.mlp_matches}
+    anchors |= {s.anchor: s.module for s in skips if s.anchor is not None}
+    listed = {(e.kind, e.module) for e in ctx.report.entries}
+    for item in reconcile(items, anchors, listed):
+        reason = f"not recognised by the {item.kind} matcher: {item.form}"
+        ctx.report.entries.append(ModuleEntry(item.kind, item.module, "skipped", reason))
+    ctx.report.census = [
+        {"kind": i.kind, "module": i.module, "form": i.form, "node": i.anchor.name} for i in items
+    ]
+
+
+def _key_random_ops(ctx: PassContext) -> None:
+    keyed = key_random_ops(ctx.gm, ctx.group.name, ctx.group.size)
+    ctx.report.notes += keyed.notes()
+    if keyed.keyed:  # new nodes need their values
         propagate_shapes(ctx.gm, ctx.example_inputs)
 
 
@@ -380,6 +420,8 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize_attention", _canonicalize_attention),
     Pass("classify_masks", _classify_masks),
     Pass("match", _match),
+    # at every D, D = 1 too: keyed by global position, D = 1 draws what D = 2 and 4 draw
+    Pass("key_random_ops", _key_random_ops, lambda ctx: ctx.level != "replicated"),
     Pass("shard_sequence", _shard_sequence),
     Pass("chunk_loss", _chunk_loss, lambda ctx: ctx.shards_sequence),
     Pass("rewrite_attention", _rewrite_attention),
@@ -413,7 +455,7 @@ def _split_recomputed_transfers(ctx: GraphContext) -> None:
     # Recomputed regions: the backward fetches its own weights and K/V. The partitioner's CSE
     # would merge those copies back, so CSE runs here, before they are made, and not again.
     gm = ctx.gm
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph = ctx.graph = joint_graph_cse(gm.graph)
     if split_recomputed_transfers(gm.graph):
         gm.recompile()

@@ -39,6 +39,9 @@ class CompileReport:
     # plain compile of the graph runs: ``fallbacks`` says why, ``tspc/fallback.py``)
     level: str = "tsp"
     entries: list[ModuleEntry] = field(default_factory=list)
+    # every attention- and MLP-like computation the census found (``passes/census.py``), each
+    # as {kind, module, form, node}; every one has an entry (matched or skipped) of its module
+    census: list[dict] = field(default_factory=list)
     sharded_inputs: list[tuple[str, int]] = field(default_factory=list)
     gathers: list[dict] = field(default_factory=list)
     # what each explicit attention mask meant (classify_mask.MaskReport): recognised, kind
@@ -61,6 +64,12 @@ class CompileReport:
     @property
     def skipped(self) -> list[ModuleEntry]:
         return [e for e in self.entries if e.status == "skipped"]
+
+    def unlisted(self) -> list[dict]:
+        """Census items without an entry of their kind and module (none, by construction:
+        a test holds the pipeline to it)."""
+        listed = {(e.kind, e.module) for e in self.entries}
+        return [c for c in self.census if (c["kind"], c["module"]) not in listed]
 
     def held_whole(self) -> list[str]:
         """One message per module whose weights are held whole on every rank for a reason the
@@ -110,6 +119,12 @@ class CompileReport:
         for e in self.entries:
             extra = f" ({e.reason})" if e.reason else ""
             lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")
+        if self.census:
+            n_att = sum(c["kind"] == "attention" for c in self.census)
+            lines.append(
+                f"  census: {n_att} attention-like, {len(self.census) - n_att} MLP-like "
+                "computations, each listed above"
+            )
         for m in self.masks:
             # what ran: causal / sliding_window / documents (the zigzag kernel), or each rank's
             # rows of the mask ("not recognised")

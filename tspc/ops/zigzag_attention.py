@@ -540,8 +540,15 @@ def causal_attention(
 
     With ``world == 1`` it is attention over the whole sequence; the sequence pass sets
     ``rank``/``world`` when the queries are this rank's zigzag chunks.
+    A value head size unlike q's (SDPA allows it, the fused kernels not) is padded with zero
+    features: they change no score (q, k; the scale is explicit) and give outputs cut off (v).
     """
-    return zigzag_causal_attention(
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if d_qk != d_v:
+        w = max(d_qk, d_v)
+        q, k = (torch.nn.functional.pad(t, (0, w - d_qk)) for t in (q, k))
+        v = torch.nn.functional.pad(v, (0, w - d_v))
+    out = zigzag_causal_attention(
         q,
         k,
         v,
@@ -555,6 +562,7 @@ def causal_attention(
         masked_value,
         safe_softmax,
     )[0]
+    return out[..., :d_v] if d_qk != d_v else out
 
 
 # Under torch.autocast the attention of the original graph (SDPA) runs in the autocast dtype;

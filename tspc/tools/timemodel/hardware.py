@@ -149,20 +149,15 @@ PRESETS: dict[str, Hardware] = {
         op_overhead=4e-6,
         source="NVIDIA H100 SXM5 data sheet; efficiencies assumed (see hardware.py)",
     ),
-    # NVIDIA H200 SXM: the H100's compute (989.4 TFLOP/s dense bf16) with 4.8 TB/s HBM3e and
-    # the same NVLink 4 (NVIDIA H200 data sheet); efficiencies as for the H100.
-    "h200": Hardware(
-        name="h200",
-        peak_flops={"bf16": 989.4 * TB, "fp16": 989.4 * TB, "fp32": 494.7 * TB},
-        memory_bandwidth=4.8 * TB,
-        links={"intra": Link(6e-6, 0.8 * 450 * GB), "inter": Link(12e-6, 0.8 * 50 * GB)},
-        gemm_efficiency=0.7,
-        attention_efficiency=0.5,
-        memory_efficiency=0.8,
-        op_overhead=4e-6,
-        source="NVIDIA H200 SXM data sheet; efficiencies assumed (see hardware.py)",
-    ),
 }
+# NVIDIA H200 SXM: the H100's compute (989.4 TFLOP/s dense bf16) with 4.8 TB/s HBM3e and the same
+# NVLink 4 (NVIDIA H200 data sheet); efficiencies as for the H100.
+PRESETS["h200"] = dataclasses.replace(
+    PRESETS["h100"],
+    name="h200",
+    memory_bandwidth=4.8 * TB,
+    source="NVIDIA H200 SXM data sheet; efficiencies assumed (see hardware.py)",
+)
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:

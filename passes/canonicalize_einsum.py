@@ -1,0 +1,148 @@
+"""Pass 1a' — lower two-operand ``einsum`` calls to the matmul forms the matchers read.
+
+Research code writes projections and attention products with ``einsum``:
+
+    q = einsum("bsd,ed->bse", x, wq)              # a projection: F.linear(x, wq)
+    k = einsum("bsd,de->bse", x, wk)              # ... by an [in, out] weight: x @ wk
+    s = einsum("bhqd,bhkd->bhqk", q, k)           # scores: q @ k.permute(0, 1, 3, 2)
+    o = einsum("bhqk,bhkd->bhqd", p, v)           # the value product: p @ v
+
+A call is lowered when it is a product over exactly one contracted index with at most one free
+index per operand and every other index a batch index of both operands and the output (what
+``bmm`` computes); a projection is the case where one operand is a 2-D parameter and the
+contracted index is the other operand's last one. The operands are permuted to
+``[batch..., free, contracted]`` / ``[batch..., contracted, free]`` (no-op permutes are left
+out), multiplied with ``matmul``, and the result permuted to the equation's output order. The
+values are the einsum's up to summation order. Any other call (three operands, repeated
+indices, ``...`` outside a projection, several contracted indices) is left as it is; the census
+still lists the attention or MLP it belongs to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .graph_utils import eliminate_dead_code, op_name, shape, tensor_val
+
+
+def _parse(equation: str) -> tuple[str, str, str] | None:
+    eq = equation.replace(" ", "")
+    if "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return None
+    return ops[0], ops[1], out
+
+
+def _operands(node: fx.Node) -> tuple[str, fx.Node, fx.Node] | None:
+    args = list(node.args)
+    if len(args) == 2 and isinstance(args[1], (list, tuple)):
+        args = [args[0], *args[1]]
+    if len(args) != 3 or not isinstance(args[0], str):
+        return None
+    eq, a, b = args
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or node.kwargs:
+        return None
+    return eq, a, b
+
+
+def _projection(sa: str, sb: str, out: str, b_is_weight: bool) -> str | None:
+    """'linear' (weight ``[out, in]``) or 'matmul' (``[in, out]``) when ``sa`` is the input, a
+    2-D weight ``sb`` contracts its last index and the output appends the weight's other."""
+    if len(sb) != 2 or not b_is_weight:
+        return None
+    lead = sa[:-1]
+    contracted = sa[-1]
+    if contracted not in sb or sb[0] == sb[1]:
+        return None
+    other = sb[1] if sb[0] == contracted else sb[0]
+    letters = sa.replace("...", "")
+    if out != lead + other or other in sa or len(set(letters)) != len(letters):
+        return None
+    return "linear" if sb[1] == contracted else "matmul"
+
+
+def _bmm_plan(sa: str, sb: str, out: str):
+    """(perm of a, perm of b, perm of the product) lowering ``sa,sb->out`` to ``matmul``, or
+    None when it is not one contracted index with at most one free index per operand."""
+    if "." in sa + sb + out or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
+        return None
+    if len(set(out)) != len(out) or not set(out) <= set(sa) | set(sb):
+        return None
+    contracted = [c for c in sa if c in sb and c not in out]
+    batch = [c for c in out if c in sa and c in sb]
+    free_a = [c for c in sa if c not in sb]
+    free_b = [c for c in sb if c not in sa]
+    if len(contracted) != 1 or len(free_a) > 1 or len(free_b) > 1:
+        return None
+    if set(free_a + free_b) - set(out) or len(batch) + len(free_a) + len(free_b) != len(out):
+        return None
+    if len(free_a) != 1 or len(free_b) != 1:
+        return None  # a vector product: matmul would drop a dim; left as it is
+    (c,) = contracted
+    pa = [sa.index(x) for x in batch + free_a + [c]]
+    pb = [sb.index(x) for x in batch + [c] + free_b]
+    prod = batch + free_a + free_b
+    po = [prod.index(x) for x in out]
+    return pa, pb, po
+
+
+def _call(g: fx.Graph, target, args: tuple, like: fx.Node, method: bool = False) -> fx.Node:
+    node = g.call_method(target, args) if method else g.call_function(target, args)
+    node.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "example_value")})
+    vals = [tensor_val(a) if isinstance(a, fx.Node) else a for a in args]
+    if all(v is not None for v in vals):
+        fn = getattr(torch.Tensor, target) if method else target
+        node.meta["val"] = fn(*vals)
+    return node
+
+
+def _permute(g: fx.Graph, x: fx.Node, perm: list[int], like: fx.Node) -> fx.Node:
+    if perm == list(range(len(perm))):
+        return x
+    return _call(g, "permute", (x, *perm), like, method=True)
+
+
+def canonicalize_einsum(gm: fx.GraphModule, params) -> int:
+    """Lower the einsum calls that are projections or batched products; the number lowered."""
+    g = gm.graph
+    lowered = 0
+    for node in list(g.nodes):
+        if op_name(node) != "einsum":
+            continue
+        ops = _operands(node)
+        parsed = _parse(ops[0]) if ops else None
+        if parsed is None:
+            continue
+        _, a, b = ops
+        sa, sb, out = parsed
+        with g.inserting_before(node):
+            new = None
+            for x, w, sx, sw in ((a, b, sa, sb), (b, a, sb, sa)):
+                kind = _projection(sx, sw, out, w in params and len(shape(w)) == 2)
+                if kind == "linear":
+                    new = _call(g, F.linear, (x, w), node)
+                elif kind == "matmul":
+                    new = _call(g, torch.matmul, (x, w), node)
+                if new is not None:
+                    break
+            if new is None:
+                plan = _bmm_plan(sa, sb, out)
+                if plan is None:
+                    continue
+                pa, pb, po = plan
+                pa_node = _permute(g, a, pa, node)
+                pb_node = _permute(g, b, pb, node)
+                new = _permute(g, _call(g, torch.matmul, (pa_node, pb_node), node), po, node)
+        new.meta["tspc_canonical"] = "einsum"
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+        lowered += 1
+    if lowered:
+        eliminate_dead_code(g)
+        gm.recompile()
+    return lowered
