@@ -279,16 +279,34 @@ def _in_block(module: str, blocks: dict[str, str]) -> tuple[str, str] | None:
 
 
 def match_mlp(
-    gm: fx.GraphModule, info: GraphInfo, world: int, claimed: set[fx.Node] = frozenset()
+    gm: fx.GraphModule,
+    info: GraphInfo,
+    world: int,
+    claimed: set[fx.Node] = frozenset(),
+    moe_blocks: dict[str, Skip | None] | None = None,
 ) -> tuple[list[MlpMatch], list[Skip]]:
-    """Find MLPs the ring can run; ``claimed`` holds projections already owned by attention."""
+    """Find MLPs the ring can run; ``claimed`` holds projections already owned by attention.
+    ``moe_blocks`` (``passes/match_moe.py``): MoE blocks whose experts run expert-parallel
+    (None: the MLPs inside them, shared experts, are matched as usual) or the reason they
+    cannot (reported instead of the generic one)."""
     params = info.params
     matches: list[MlpMatch] = []
     skips: list[Skip] = []
     used: set[fx.Node] = set(claimed)
     moe = find_moe_blocks(gm, params)
+    fixes: dict[str, str] = {}
+    for block, why in (moe_blocks or {}).items():
+        related = [b for b in moe if _nested(b, block)]
+        for b in related:
+            del moe[b]
+        if why is not None:  # reported once, under the outermost name of the block
+            name = min([block, *related], key=len)
+            moe[name] = why.reason
+            fixes[name] = why.fix
     natures: dict[fx.Node, Nature] = {}  # each node classified once per graph
-    skips += [Skip("mlp", module, reason) for module, reason in moe.items()]
+    skips += [
+        Skip("mlp", module, reason, fix=fixes.get(module, "")) for module, reason in moe.items()
+    ]
     reported = set(moe)
     for node in list(gm.graph.nodes):
         down = as_linear(node, params)
@@ -314,6 +332,11 @@ def match_mlp(
         used |= nodes
         matches.append(out)
     return matches, skips
+
+
+def _nested(a: str, b: str) -> bool:
+    """One module is the other or lies inside it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".") or "" in (a, b)
 
 
 def _module(lin: Linear, params) -> str:

@@ -71,6 +71,7 @@ from .seq_rules_attention import RULES as ATTENTION_RULES
 from .seq_rules_attention import sdpa_local_queries
 from .seq_rules_math import RULES as MATH_RULES
 from .seq_rules_math import rule_along_dim, rule_elementwise, rule_reduction
+from .seq_rules_moe import RULES as MOE_RULES
 from .seq_rules_random import RULES as RANDOM_RULES
 from .seq_rules_shape import RULES as SHAPE_RULES
 
@@ -79,7 +80,7 @@ __all__ = ["SeqShardReport", "find_sequence_length", "sdpa_local_queries", "shar
 
 # Rules for named ops; elementwise, along-a-dim and reduction ops go by their tables.
 RULES = RuleTable(
-    named=rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, RANDOM_RULES),
+    named=rule_table(MATH_RULES, SHAPE_RULES, ATTENTION_RULES, RANDOM_RULES, MOE_RULES),
     elementwise=rule_elementwise,
     along_dim=rule_along_dim,
     reduction=rule_reduction,

@@ -172,13 +172,16 @@ def test_forms_match_one_process(world):
                 assert r["placements"][f"layers.0.mlp.{name}"] == placement, r["placements"]
 
 
-def test_a_transformers_mixtral_block_is_skipped_as_mixture_of_experts():
+def test_a_transformers_mixtral_block_goes_to_expert_parallelism_not_the_ring():
     """Experts stacked in 3-D parameters, applied by grouped matmuls over routed tokens, and a
-    top-k router: reported as one skipped block, never matched, never a crash."""
+    top-k router: the ring's matcher alone reports one MoE block (never a ring MLP, never a
+    crash); ``match_moe`` matches its experts for expert parallelism, and then the ring's
+    matcher leaves the block to it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tspc.passes.analyse import analyse
     from tspc.passes.match_mlp import match_mlp
+    from tspc.passes.match_moe import match_moe
 
     cfg = AutoConfig.for_model(
         "mixtral", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -188,8 +191,23 @@ def test_a_transformers_mixtral_block_is_skipped_as_mixture_of_experts():
     cfg._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(cfg).eval()
     gm, inputs = capture(model, input_ids=torch.randint(1, 128, (2, 16)))
-    matches, skips = match_mlp(gm, analyse(gm, inputs), 2)
+    info = analyse(gm, inputs)
+    matches, skips = match_mlp(gm, info, 2)
     assert not matches
     assert [s.module for s in skips] == ["model.layers.0.mlp"], skips
     assert "mixture of experts" in skips[0].reason and "experts.gate_up_proj" in skips[0].reason
     assert "router model.layers.0.mlp.gate.weight" in skips[0].reason, skips[0].reason
+    moe, moe_skips = match_moe(gm, info, 2)
+    assert [m.module for m in moe] == ["model.layers.0.mlp"] and not moe_skips, moe_skips
+    m = moe[0]
+    assert (m.experts, m.top_k, m.hidden, m.intermediate, m.orient) == (4, 2, 64, 128, "tt")
+    assert [info.params[p].fqn.rsplit(".", 1)[1] for p in (m.w1, m.w2)] == [
+        "gate_up_proj",
+        "down_proj",
+    ]
+    assert match_mlp(gm, info, 2, moe_blocks={m.module: None}) == ([], [])
+    # 4 experts on 3 ranks in torch.chunk's chunks of 2: rank 2 would own none -> held whole,
+    # with the D values that fit
+    none3, skips3 = match_moe(gm, info, 3)
+    assert not none3 and "a rank would own none" in skips3[0].reason, skips3
+    assert "1, 2, 4" in skips3[0].fix, skips3[0].fix

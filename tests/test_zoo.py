@@ -68,9 +68,9 @@ FAMILIES: dict[str, tuple[dict, str]] = {
     "apertus": ({}, "xIELU activation with learned scalars, q/k norms"),
     "bitnet": ({}, "sub-norms inside attention and MLP"),
     "diffllama": ({}, "differential attention (two softmaxes per head)"),
-    "mixtral": ({}, "MoE: MLP skipped with its reason"),
-    "granitemoe": ({}, "MoE whose un-permutation writes in place"),
-    "llama4_text": ({}, "MoE with a shared expert (routed output added in place), L2 q/k norm"),
+    "mixtral": ({}, "MoE: experts expert-parallel on the TSP axis (tests/test_moe.py)"),
+    "granitemoe": ({}, "MoE whose un-permutation writes in place: expert-parallel"),
+    "llama4_text": ({}, "MoE with a shared expert, bmm experts: skipped with its reason"),
 }
 
 # family -> {kind: reason substring} for what is still skipped (the matched status is expected
@@ -82,9 +82,7 @@ KNOWN_GAPS: dict[str, dict[str, str]] = {
     # a norm over all heads' outputs / over the intermediate dim: no head- or F-local split
     "bitnet": {"attention": "users before reaching", "mlp": "not elementwise"},
     "diffllama": {"attention": "'cat'"},  # two attentions per head, concatenated
-    "mixtral": {"mlp": MOE},
-    "granitemoe": {"mlp": MOE},
-    "llama4_text": {"mlp": MOE},
+    "llama4_text": {"mlp": MOE},  # bmm over every token: no expert-parallel form
 }
 
 

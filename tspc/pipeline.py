@@ -55,6 +55,7 @@ from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.keyed_random import key_random_ops
 from tspc.passes.match_attention import match_attention
 from tspc.passes.match_mlp import match_mlp
+from tspc.passes.match_moe import match_moe
 from tspc.passes.recompute import (
     extend_checkpoint_regions,
     recompute_ring_projections,
@@ -62,6 +63,7 @@ from tspc.passes.recompute import (
 )
 from tspc.passes.rewrite_attention import AttentionRewrite, rewrite_attention
 from tspc.passes.rewrite_mlp import rewrite_mlp, set_ring_hop_chunks
+from tspc.passes.rewrite_moe import collapse_moe, shard_moe
 from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
@@ -109,6 +111,8 @@ class PassContext:
     changed_by_eager: bool = False  # canonicalize_attention replaced eager attention
     att_matches: list = field(default_factory=list)
     mlp_matches: list = field(default_factory=list)
+    moe_matches: list = field(default_factory=list)  # experts run expert-parallel
+    moe_ops: list = field(default_factory=list)  # (match, its moe_experts call)
     seq_len: int | None = None
     shards: ShardInputs | None = None  # the weight shards the rewrites asked for
     # where the rewrites declare every rank's slices of a weight (the runtime's STORE)
@@ -225,7 +229,12 @@ def _match(ctx: PassContext) -> None:
     claimed = set()
     for m in ctx.att_matches:
         claimed |= {p.linear for p in m.projections()} | {m.o_linear}
-    ctx.mlp_matches, mlp_skips = match_mlp(ctx.gm, ctx.info, D, claimed)
+    ctx.moe_matches, moe_skips = match_moe(ctx.gm, ctx.info, D)
+    blocks: dict = {m.module: None for m in ctx.moe_matches}
+    blocks.update({s.module: s for s in moe_skips})
+    ctx.mlp_matches, mlp_skips = match_mlp(ctx.gm, ctx.info, D, claimed, blocks)
+    if ctx.rewrites:
+        _collapse_moe(ctx)
     for s in att_skips + mlp_skips:
         if s.error is not None:  # matching raised: this module alone is left out
             if ctx.opts.strict:
@@ -235,6 +244,21 @@ def _match(ctx: PassContext) -> None:
         ctx.report.entries.append(ModuleEntry(s.kind, s.module, "skipped", s.reason, details))
     _census(ctx, att_skips + mlp_skips)
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
+
+
+def _collapse_moe(ctx: PassContext) -> None:
+    """Each matched MoE block's experts become one ``moe_experts`` call before the sequence
+    pass runs (``passes/rewrite_moe.py``: the region's sorts over all pairs would otherwise
+    gather the sequence); ``_rewrite_mlp`` gives each call its rank's experts."""
+    for m in ctx.moe_matches:
+        failed = ctx.failures.excluded("mlp", m.module)
+        if failed:
+            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
+            continue
+        op = rewrite_guarded("mlp", m.module, lambda m=m: collapse_moe(ctx.gm, m))
+        ctx.moe_ops.append((m, op))
+    if ctx.moe_ops:
+        propagate_shapes(ctx.gm, ctx.example_inputs)
 
 
 def _census(ctx: PassContext, skips: list) -> None:
@@ -327,7 +351,7 @@ def _rewrite_attention(ctx: PassContext) -> None:
 
 def _rewrite_mlp(ctx: PassContext) -> None:
     if not ctx.rewrites:
-        _report_not_rewritten(ctx, "mlp", ctx.mlp_matches)
+        _report_not_rewritten(ctx, "mlp", ctx.mlp_matches + ctx.moe_matches)
         return
     if ctx.group.size > 1 and not ctx.shards_sequence:
         # every rank holds every token here (a graph with no self-attention: a graph break
@@ -336,7 +360,15 @@ def _rewrite_mlp(ctx: PassContext) -> None:
         why = "the sequence is not sharded in this graph (no self-attention in it)"
         for m in ctx.mlp_matches:
             ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", why))
+        for m, _ in ctx.moe_ops:  # the op keeps whole experts and runs them locally
+            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", why))
         return
+    for m, op in ctx.moe_ops:  # expert parallelism (passes/rewrite_moe.py)
+        out = rewrite_guarded(
+            "mlp", m.module, lambda m=m, op=op: shard_moe(ctx.gm, op, m, ctx.group, ctx.shards)
+        )
+        details = {k: v for k, v in vars(out).items() if k != "module"}
+        ctx.report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
     for m in ctx.mlp_matches:
         failed = ctx.failures.excluded("mlp", m.module)
         if failed:

@@ -1,0 +1,315 @@
+"""Pass 2c — match mixture-of-experts experts for expert parallelism on the TSP axis.
+
+A MoE block computes, for every token ``n`` and each of its ``k`` choices ``j``,
+``y[n] = sum_j w[n, j] * expert_{ids[n, j]}(x[n])`` with
+``expert_e(x) = W2_e(chain(W1_e(x)))``, the experts' weights stacked in two 3-D parameters
+``[E, ., .]``. The matcher finds that computation by what the ops do, not by module names:
+
+* two stacked 3-D parameters, each applied per expert group by a grouped matmul
+  (``torch._grouped_mm``, ``F.grouped_mm`` or transformers' ``grouped_mm_fallback`` — what
+  transformers 5 runs under ``torch.compile`` for Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE,
+  PhiMoE), the first one's output reaching the second one's input only through a row-wise
+  *chain* (the activation: ``silu(gate) * up`` of a fused ``gate_up``, or a plain one);
+* the group offsets of both come from sorting one flat vector of expert ids (``ids``, the
+  routing's choice per (token, choice) pair);
+* the first matmul reads rows of one ``[N, h]`` hidden state ``x`` (each pair's token);
+* after the second matmul, the pairs' outputs are scaled by one more tensor ``w`` of ``N k``
+  router weights and summed back to ``[N, h]`` (``y``, the block's routed output);
+* ``y`` depends on nothing else: every input of the region between them is ``x``, ``ids``,
+  ``w``, the two parameters, or a constant.
+
+Whatever routes (softmax or sigmoid, top-k, renormalisation, PhiMoE's sparse mixer) stays in
+the graph and runs on the local tokens; only the experts are replaced
+(``passes/rewrite_moe.py``). Shared experts are ordinary MLPs (the ring's, ``match_mlp``).
+A block that does not fit is reported as skipped with the reason (``find_moe_blocks``' list).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .analyse import GraphInfo
+from .graph_utils import module_fqn_of_param, op_name, reachable, shape, tensor_inputs, val
+from .held_whole import size_fix
+from .match_attention import Skip, failed
+
+GROUPED_MM = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")
+_TRANSPOSES = ("transpose", "t", "permute", "contiguous")
+_SORT_PATH = ("cumsum", "histc", "bincount", "to", "float", "getitem", "sort", "int", "long")
+_CASTS = ("to", "float", "contiguous", "type_as", "bfloat16", "half")
+
+
+@dataclass
+class MoeMatch:
+    module: str  # the MoE block (the module holding the experts' module)
+    x: fx.Node  # [N, h] hidden states
+    ids: fx.Node  # [N k] expert id per pair
+    weights: fx.Node  # N k router weights, pair order
+    w1: fx.Node  # stacked first weight [E, ., .] (gate_up or up)
+    w2: fx.Node  # stacked second weight [E, ., .] (down)
+    orient: str  # "t"/"n" per weight: x @ W_e^T (stored [out, in]) or x @ W_e
+    chain: list[fx.Node]  # row-wise ops from the first matmul's output to the second's input
+    mm1: fx.Node
+    mm2_input: fx.Node
+    mm2: fx.Node
+    out: fx.Node  # y: [N, h]
+    region: set[fx.Node]  # the nodes the rewrite replaces (erased once unused)
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    activation: str = ""  # the chain's code, once copied out (passes/rewrite_moe.py)
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def _grouped_mm_of(param: fx.Node) -> tuple[fx.Node, str] | None:
+    """(the grouped matmul applying ``param`` as its weights, "t" or "n")."""
+    work = [(param, 0)]
+    while work:
+        node, flips = work.pop()
+        for u in node.users:
+            name = op_name(u) or ""
+            if name in GROUPED_MM and u.args[1] is node:
+                return u, "t" if flips % 2 else "n"
+            if name in _TRANSPOSES:
+                dims = [a for a in u.args[1:] if isinstance(a, int)]
+                swap = name == "t" or (
+                    name == "transpose" and sorted(d % 3 for d in dims) == [1, 2]
+                )
+                if name == "permute":
+                    swap = list(u.args[1:]) in ([0, 2, 1], [[0, 2, 1]], [(0, 2, 1)])
+                work.append((u, flips + (1 if swap else 0)))
+    return None
+
+
+def _sorted_ids(offs: fx.Node) -> fx.Node:
+    """The flat expert ids whose sort gives the group offsets ``offs``."""
+    node = offs
+    for _ in range(8):
+        if not isinstance(node, fx.Node) or op_name(node) not in _SORT_PATH:
+            break
+        if op_name(node) == "sort":
+            return node.args[0]
+        node = node.args[0]
+    raise _NoMatch("the experts' group offsets do not come from sorting one vector of expert ids")
+
+
+def _from_topk(ids: fx.Node) -> bool:
+    """The expert ids are the indices of a ``topk`` (through reshapes and the tuple's item)."""
+    node = ids
+    for _ in range(6):
+        if not isinstance(node, fx.Node):
+            return False
+        if op_name(node) == "topk":
+            return True
+        if op_name(node) not in ("getitem", "reshape", "view", "flatten", "to", "long"):
+            return False
+        node = node.args[0]
+    return False
+
+
+def _rows_of(mm_input: fx.Node) -> fx.Node:
+    """The ``[N, h]`` tensor whose rows (per pair) the first grouped matmul reads."""
+    node = mm_input
+    while op_name(node) in _CASTS:
+        node = node.args[0]
+    if op_name(node) in ("getitem", "index_select", "index") and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    raise _NoMatch("the first expert matmul does not read rows of one hidden state")
+
+
+def is_constant(node: fx.Node) -> bool:
+    """Built inside the graph from no input (``arange``, ``zeros``): the same at any D."""
+    return not any(n.op == "placeholder" for n in reachable([node], forward=False))
+
+
+def _ancestors(node: fx.Node, floor: fx.Node) -> set[fx.Node]:
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        for i in tensor_inputs(n, include_tuples=True):
+            if i not in seen and not i < floor:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
+    """The experts computation applying the stacked weights ``w_a`` and ``w_b``."""
+    found = [_grouped_mm_of(w_a), _grouped_mm_of(w_b)]
+    if None in found:
+        raise _NoMatch(
+            "the stacked experts are not applied by a grouped matmul over tokens sorted by "
+            "expert (Llama-4 runs every expert on every token with bmm, its router scores "
+            "scaling the experts' input): no expert-parallel form"
+        )
+    (mm_a, o_a), (mm_b, o_b) = found
+    first, second = ((w_a, mm_a, o_a), (w_b, mm_b, o_b))
+    if mm_b < mm_a:
+        first, second = second, first
+    w1, mm1, o1 = first
+    w2, mm2, o2 = second
+    offs = mm1.kwargs.get("offs", mm1.args[2] if len(mm1.args) > 2 else None)
+    offs2 = mm2.kwargs.get("offs", mm2.args[2] if len(mm2.args) > 2 else None)
+    if offs is None or offs is not offs2:
+        raise _NoMatch("the two expert matmuls do not share one set of group offsets")
+    ids = _sorted_ids(offs)
+    if not _from_topk(ids):
+        raise _NoMatch(
+            "its expert ids do not come from top-k (PhiMoE's sparse mixer): with expert "
+            "parallelism its router's gradient differed from one process in a test (open), so "
+            "it runs with its experts whole"
+        )
+    x = _rows_of(mm1.args[0])
+    xs = shape(x)
+    if len(xs) != 2:
+        raise _NoMatch(f"the experts' hidden state {x.name} is {list(xs)}, not [tokens, hidden]")
+    n_tok, hidden = xs
+    pairs = int(val(ids).numel())
+    if n_tok == 0 or pairs % n_tok:
+        raise _NoMatch(f"{pairs} expert choices for {n_tok} tokens")
+    k = pairs // n_tok
+    s1, s2 = shape(w1), shape(w2)
+    if s1[0] != s2[0]:
+        raise _NoMatch(f"the stacked weights hold {s1[0]} and {s2[0]} experts")
+    if (s1[2] if o1 == "t" else s1[1]) != hidden or (s2[1] if o2 == "t" else s2[2]) != hidden:
+        raise _NoMatch(f"the stacked weights {list(s1)}, {list(s2)} do not map {hidden} to itself")
+    # the chain: the first matmul's output reaches the second's input through row-wise ops
+    mm2_in = mm2.args[0]
+    chain_nodes = _ancestors(mm2_in, mm1) & reachable([mm1], within=None) - {mm1}
+    for n in chain_nodes:
+        for i in tensor_inputs(n, include_tuples=True):
+            if i is not mm1 and i not in chain_nodes and not is_constant(i):
+                raise _NoMatch(f"the activation between the expert matmuls reads {i.name}")
+        if op_name(n) in ("sum", "mean", "softmax", "cumsum", "sort", "topk", "amax", "max"):
+            raise _NoMatch(f"{n.name} between the expert matmuls is not row-wise")
+    out = _combined_output(mm2, n_tok, hidden)
+    region = (
+        _ancestors(out, ids) & reachable([w1, w2, ids], forward=True, within=None)
+    ) | chain_nodes
+    region = {n for n in region if not out < n}
+    weights = _router_weights(region, x, ids, w1, w2, pairs)
+    if reachable([weights], within=region | {weights}) & {mm1, mm2}:
+        raise _NoMatch(
+            "the router weights scale the experts' input, not their output (Llama-4's form)"
+        )
+    inter = shape(mm2_in)[-1]
+    return MoeMatch(
+        module=module_fqn_of_param(params[w1].fqn),
+        x=x,
+        ids=ids,
+        weights=weights,
+        w1=w1,
+        w2=w2,
+        orient=o1 + o2,
+        chain=sorted(chain_nodes),
+        mm1=mm1,
+        mm2_input=mm2_in,
+        mm2=mm2,
+        out=out,
+        region=region,
+        experts=s1[0],
+        top_k=k,
+        hidden=hidden,
+        intermediate=inter,
+    )
+
+
+_COMBINE = ("mul", "getitem", "index_select", "view", "reshape", "sum", "unsqueeze", "to", "float")
+
+
+def _combined_output(mm2: fx.Node, n_tok: int, hidden: int) -> fx.Node:
+    """The first node after the second matmul that is ``[N, h]``: the weighted sum over each
+    token's choices (reached only through scaling, un-permuting, reshaping and summing)."""
+    stack, seen = [mm2], set()
+    best = None
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if op_name(u) not in _COMBINE:
+                continue
+            if tuple(shape(u)) == (n_tok, hidden) and (best is None or u < best):
+                best = u
+            elif best is None or u < best:
+                stack.append(u)
+    if best is None:
+        raise _NoMatch("the experts' outputs are not summed back to one row per token")
+    return best
+
+
+def _router_weights(region, x, ids, w1, w2, pairs: int) -> fx.Node:
+    outside = []
+    for n in sorted(region - {ids}):
+        for i in tensor_inputs(n, include_tuples=True):
+            if i in region or i in (x, ids, w1, w2) or i in outside or is_constant(i):
+                continue
+            outside.append(i)
+    weights = [i for i in outside if (v := val(i)) is not None and v.numel() == pairs]
+    if len(outside) != 1 or len(weights) != 1:
+        names = ", ".join(i.name for i in outside) or "nothing"
+        raise _NoMatch(
+            f"the experts' output depends on {names} besides the hidden state and the expert "
+            "ids (expected one tensor of router weights)"
+        )
+    if not weights[0].meta.get("val", torch.empty(0)).is_floating_point():
+        raise _NoMatch(f"the router weights {weights[0].name} are not floating point")
+    return weights[0]
+
+
+def stacked_pairs(gm: fx.GraphModule, params) -> dict[str, list[fx.Node]]:
+    """{MoE block (``module_fqn_of_param``'s module of the experts): its 3-D parameters}."""
+    out: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node in params and len(shape(node)) == 3:
+            out.setdefault(module_fqn_of_param(params[node].fqn), []).append(node)
+    return out
+
+
+def match_moe(gm: fx.GraphModule, info: GraphInfo, world: int) -> tuple[list[MoeMatch], list[Skip]]:
+    """MoE experts the expert-parallel schedule can run, and (module, reason) for those it
+    cannot (left to ``match_mlp``'s MoE skip, which reports them)."""
+    params = info.params
+    matches, skips = [], []
+    for block, stacked in stacked_pairs(gm, params).items():
+        if len(stacked) != 2:
+            names = ", ".join(params[p].fqn for p in stacked)
+            skips.append(
+                Skip(
+                    "mlp",
+                    block,
+                    f"mixture of experts: {len(stacked)} stacked "
+                    f"parameters ({names}); expert parallelism takes two (no biases)",
+                )
+            )
+            continue
+        try:
+            m = match_one(stacked[0], stacked[1], params)
+        except _NoMatch as e:
+            skips.append(Skip("mlp", block, f"mixture of experts: {e}"))
+            continue
+        except Exception as e:  # noqa: BLE001 - this block alone is skipped and reported
+            skips.append(failed("mlp", block, "match", e))
+            continue
+        c = -(-m.experts // world)
+        if world > 1 and (world - 1) * c >= m.experts:
+            skips.append(
+                Skip(
+                    "mlp",
+                    block,
+                    f"mixture of experts: {m.experts} experts cannot be split over D={world} "
+                    f"ranks in chunks of {c} (a rank would own none)",
+                    fix=size_fix("number of experts", m.experts),
+                )
+            )
+            continue
+        matches.append(m)
+    return matches, skips
