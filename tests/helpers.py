@@ -94,6 +94,19 @@ def adamw_side_by_side(ref_params, params, ref_loss_fn, loss_fn, steps: int = 3)
     return opt_ref, opt
 
 
+def train_step_against_one_process(ref: torch.nn.Module, model: torch.nn.Module, kwargs: dict):
+    """One backward of a transformers model's own loss: ``ref`` in one process, ``model``
+    through ``backend="tsp"`` (fullgraph). Returns both losses, the largest relative
+    gradient error (``grad_error``) and the compiled model."""
+    loss_ref = ref(**kwargs).loss
+    loss_ref.backward()
+    compiled = torch.compile(model, backend="tsp", fullgraph=True)
+    loss = compiled(**kwargs).loss
+    loss.backward()
+    err, _ = grad_error(ref, model)
+    return loss_ref, loss, err, compiled
+
+
 def grad_error(ref: torch.nn.Module, model: torch.nn.Module) -> tuple[float, dict[str, list]]:
     """Largest relative gradient error of ``model`` (compiled with tspc, after backward) against
     ``ref`` (the same model run in one process), over every parameter. A DTensor parameter's

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import D4_EXTENDED, HF_SMALL, grad_error
+from tests.helpers import D4_EXTENDED, HF_SMALL, train_step_against_one_process
 from tspc.launch import spawn
 
 SMALL = HF_SMALL
@@ -222,12 +222,7 @@ def hf_train_worker(rank: int, world: int, attn: str, family: str = "llama") -> 
     # the first real token is predicted from a padding position: a query row that sees no key
     labels = ids.masked_fill(mask == 0, -100)
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    loss_ref = ref(**kwargs).loss
-    loss_ref.backward()
-    compiled = torch.compile(model, backend="tsp", fullgraph=True)
-    loss = compiled(**kwargs).loss
-    loss.backward()
-    err, _ = grad_error(ref, model)
+    loss_ref, loss, err, _ = train_step_against_one_process(ref, model, kwargs)
     placements = {
         n: (
             type(p.placements[0]).__name__,

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import D4_EXTENDED, HF_SMALL, grad_error
+from tests.helpers import D4_EXTENDED, HF_SMALL, train_step_against_one_process
 from tspc.launch import spawn
 from tspc.ops import attention_kernels as ak
 from tspc.ops import zigzag_attention as zz
@@ -304,12 +304,7 @@ def masks_worker(rank: int, world: int, cases: list[tuple], adamw_steps: int = 0
         torch.compiler.reset()
         ref, model = _models(family, attn, layers)
         kwargs = _batch(padding)
-        loss_ref = ref(**kwargs).loss
-        loss_ref.backward()
-        compiled = torch.compile(model, backend="tsp", fullgraph=True)
-        loss = compiled(**kwargs).loss
-        loss.backward()
-        err, _ = grad_error(ref, model)
+        loss_ref, loss, err, compiled = train_step_against_one_process(ref, model, kwargs)
         rep = tspc.last_report()
         r = {
             "case": (family, attn, padding, layers),

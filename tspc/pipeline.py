@@ -25,7 +25,6 @@ and keeps its snapshots for a dump. ``python -m tspc.pipeline`` prints the list
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +36,6 @@ from tspc.passes.analyse import (
     analyse,
     propagate_shapes,
     recompile_if_stale,
-)
-from tspc.passes.aot_graphs import (
-    keep_backward_transfers_in_backward,
-    mark_transfers_for_recompute,
-    split_addmm_across_waits,
-    split_recomputed_transfers,
 )
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.canonicalize_einsum import canonicalize_einsum
@@ -67,12 +60,20 @@ from tspc.passes.rewrite_moe import collapse_moe, shard_moe
 from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
-from tspc.passes.specialize import specialize
-from tspc.runtime.compat import LazyGraphModule, joint_graph_cse
+from tspc.runtime.compat import LazyGraphModule
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE, ShardStore
 
 from .errors import ModuleRewriteFailed
+from .graph_phases import (  # noqa: F401  (re-exported: the backend and inner import them here)
+    AOT_GRAPH_PIPELINE,
+    JOINT_PIPELINE,
+    POST_GRAD_PIPELINE,
+    SPECIALIZE,
+    GraphContext,
+    Pass,
+    run_passes,
+)
 from .module_isolation import ModuleFailures, rewrite_guarded, run_isolated, warn_module_skipped
 from .options import TSPOptions
 from .report import CompileReport, ModuleEntry
@@ -132,54 +133,6 @@ class PassContext:
     def code(self) -> str:
         recompile_if_stale(self.gm)  # a pass may have deferred regenerating the code
         return self.gm.code
-
-
-@dataclass
-class GraphContext:
-    """What a pass of the phases after ``PIPELINE`` sees: one graph (Dynamo's symbolic graph,
-    aot_autograd's joint, forward or backward graph, or Inductor's post-grad graph), the
-    options, and what a pass tells the code that runs its phase."""
-
-    graph: fx.Graph
-    opts: TSPOptions | None = None
-    gm: fx.GraphModule | None = None  # the module that owns ``graph``, where there is one
-    example_inputs: list[Any] = field(default_factory=list)
-    # JOINT_PIPELINE: False once split_recomputed_transfers made the backward its own copies,
-    # which the partitioner's CSE would merge back
-    partitioner_cse: bool = True
-
-    def code(self) -> str:
-        return self.graph.python_code(root_module="self").src
-
-
-@dataclass(frozen=True)
-class Pass:
-    name: str
-    run: Callable[[Any], None]  # step(ctx): a PassContext in PIPELINE, else a GraphContext
-    applies: Callable[[Any], bool] = lambda ctx: True
-
-
-def run_passes(
-    passes: tuple[Pass, ...],
-    ctx: PassContext | GraphContext,
-    snapshots: list[tuple[str, str]] | None = None,
-    where: str = "",
-) -> None:
-    """Every pass of ``passes`` that applies, in order. With ``snapshots`` (a dump), the code
-    after each pass is appended to it, as (pass name, Python code). An error leaves with the
-    pass and ``where`` noted on it; whoever runs the phase decides what a failure means (the
-    backend falls back to the next level for ``PIPELINE``)."""
-    for p in passes:
-        if p.applies(ctx):
-            log.debug("tspc: pass %s (%s)", p.name, where)
-            try:
-                p.run(ctx)
-            except Exception as e:
-                if hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note(f"tspc: in pass '{p.name}' ({where})")
-                raise
-        if snapshots is not None:
-            snapshots.append((p.name, ctx.code()))
 
 
 def _inline_checkpoints(ctx: PassContext) -> None:
@@ -438,62 +391,6 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("rewrite_mlp", _rewrite_mlp),
     Pass("recompute", _recompute),
     Pass("schedule", _schedule, lambda ctx: ctx.opts.overlap),
-)
-
-
-def _specialize(ctx: GraphContext) -> None:
-    ctx.gm = specialize(ctx.gm, ctx.example_inputs)  # a new, static graph
-    ctx.graph = ctx.gm.graph
-
-
-SPECIALIZE: tuple[Pass, ...] = (Pass("specialize", _specialize),)
-
-
-def _keep_backward_transfers_in_backward(ctx: GraphContext) -> None:
-    keep_backward_transfers_in_backward(ctx.graph)
-
-
-def _mark_transfers_for_recompute(ctx: GraphContext) -> None:
-    mark_transfers_for_recompute(ctx.graph)
-
-
-def _has_recomputed_regions(ctx: GraphContext) -> bool:
-    return any(n.meta.get("ac_graph_id", 0) > 0 for n in ctx.graph.nodes)
-
-
-def _split_recomputed_transfers(ctx: GraphContext) -> None:
-    # Recomputed regions: the backward fetches its own weights and K/V. The partitioner's CSE
-    # would merge those copies back, so CSE runs here, before they are made, and not again.
-    gm = ctx.gm
-    eliminate_dead_code(gm.graph)
-    gm.graph = ctx.graph = joint_graph_cse(gm.graph)
-    if split_recomputed_transfers(gm.graph):
-        gm.recompile()
-        ctx.partitioner_cse = False
-
-
-JOINT_PIPELINE: tuple[Pass, ...] = (
-    Pass("keep_backward_transfers_in_backward", _keep_backward_transfers_in_backward),
-    Pass("mark_transfers_for_recompute", _mark_transfers_for_recompute),
-    Pass("split_recomputed_transfers", _split_recomputed_transfers, _has_recomputed_regions),
-)
-
-
-def _schedule_aot_graph(ctx: GraphContext) -> None:
-    schedule_overlap(ctx.gm)
-
-
-AOT_GRAPH_PIPELINE: tuple[Pass, ...] = (
-    Pass("schedule", _schedule_aot_graph, lambda ctx: ctx.opts.overlap),
-)
-
-
-def _split_addmm_across_waits(ctx: GraphContext) -> None:
-    split_addmm_across_waits(ctx.graph)
-
-
-POST_GRAD_PIPELINE: tuple[Pass, ...] = (
-    Pass("split_addmm_across_waits", _split_addmm_across_waits),
 )
 
 
