@@ -335,7 +335,10 @@ def break_worker(rank: int, world: int) -> dict:
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     n0 = len(tspc.report.REPORTS)
     with torch.no_grad():
-        got = torch.compile(model, backend="tsp")(ids)
+        # kept: the weights' TSPParams live as long as the module that runs them (here the
+        # compiled module, ``runtime/tsp_params.py``); a temporary one takes them with it
+        compiled = torch.compile(model, backend="tsp")
+        got = compiled(ids)
         want = ref(ids)
     from tspc.runtime.tsp_params import tsp_param_of
 

@@ -65,7 +65,9 @@ def test_flex_attention_masks_are_recognised(fake_group):
 
 def test_flex_attention_it_cannot_map_is_listed_with_the_reason(fake_group):
     """A score_mod (here a bias by distance) is not mapped: the attention is skipped and says
-    why; the MLPs still run the ring."""
+    why. No attention then shards the sequence, so every rank holds all the tokens: the MLPs
+    are skipped too, with that reason (the ring would sum D equal weight gradients onto each
+    owner: D times the true one; docs/models.md) and read their weights whole."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from tests import peer_forms
@@ -95,7 +97,10 @@ def test_flex_attention_it_cannot_map_is_listed_with_the_reason(fake_group):
     for i in (0, 1):
         attn = entries[("attention", f"layers.{i}.attn")]
         assert attn.status == "skipped" and "score_mod" in attn.reason, rep.summary()
-        assert entries[("mlp", f"layers.{i}.mlp")].status == "matched", rep.summary()
+        mlp = entries[("mlp", f"layers.{i}.mlp")]
+        assert mlp.status == "skipped", rep.summary()
+        assert "the sequence is not sharded in this graph" in mlp.reason, rep.summary()
+    assert not rep.matched and "the sequence is not sharded" in " ".join(rep.notes), rep.notes
     assert rep.unlisted() == [], rep.summary()
 
 
