@@ -88,6 +88,7 @@ _PASS_THROUGH = (
     "_unsafe_view",
     "_to_copy",
 )
+_SUMS = ("add", "add_", "sub", "sub_", "__add__", "__iadd__", "__sub__")
 # how far back from a projection the search for the projection feeding it looks (nodes)
 _SEARCH_LIMIT = 48
 
@@ -187,7 +188,9 @@ def _mlp_form(node: fx.Node, params, natures: dict) -> str | None:
         seen.add((n, activated))
         up = _weight_in_out(n, params)
         if up is not None:
-            if activated and up[1] == down_out:
+            # h -> F, then F (or a fused 2F/kF, chunked) -> h: a projection whose output the
+            # down does not read in full (a gate of width 1, an lm_head) is no up
+            if activated and up[1] == down_out and up[2] % down_in == 0:
                 return f"{op_name(n)} -> elementwise -> {op_name(node)} ({down_out} -> {down_in})"
             continue
         name = op_name(n) or ""
@@ -196,6 +199,10 @@ def _mlp_form(node: fx.Node, params, natures: dict) -> str | None:
             # dropout is no activation: a residual ``x + dropout(w2(h))`` feeding the next
             # layer's projections is not an MLP
             work += [(i, activated) for i in ins]
+        elif name in _SUMS and sum(_computed(i) for i in ins) > 1:
+            # a sum of two computed values (a residual, a routed output plus a shared expert's)
+            # ends the chain: an MLP's up and down lie between two such sums, never across one
+            continue
         elif _nature(n, natures) == "elementwise":
             # an activation is a function of one value (gelu, silu, relu², a scale); a sum
             # with another value alone (a residual) makes no MLP

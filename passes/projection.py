@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .graph_utils import arg, op_name, shape
+from .graph_utils import arg, op_name, shape, tensor_val
 
 _MATMULS = ("linear", "addmm", "matmul", "mm", "__matmul__")
 
@@ -23,7 +23,8 @@ def transposed_param(node) -> fx.Node | None:
         return None
     name = op_name(node)
     src = node.args[0] if node.args else None
-    if not isinstance(src, fx.Node) or len(shape(src)) != 2:
+    # ``src`` may carry no single tensor (``unbind(x)[i]``: a getitem of a tuple)
+    if not isinstance(src, fx.Node) or tensor_val(src) is None or len(shape(src)) != 2:
         return None
     if name == "getattr" and len(node.args) == 2 and node.args[1] in ("T", "mT"):
         return src
