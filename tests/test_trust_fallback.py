@@ -264,12 +264,12 @@ def test_a_partitioner_failure_on_a_tspc_tag_is_a_tspc_error(monkeypatch, tmp_pa
     partitioner fail: under ``strict`` that is a ``PartitionerTagError`` naming the node, the
     pass and the option, without torch's pointer to its own tracker; without ``strict`` the plain
     compile runs the model, equal to eager."""
-    import tspc.pipeline
+    import tspc.graph_phases
     from tspc.errors import PartitionerTagError
     from tspc.passes import aot_graphs
 
     monkeypatch.chdir(tmp_path)  # torch writes min_cut_failed_graph.txt where it runs
-    real = tspc.pipeline.mark_transfers_for_recompute
+    real = tspc.graph_phases.mark_transfers_for_recompute
 
     def tag_the_norm_output(graph):
         for n in graph.nodes:
@@ -279,7 +279,7 @@ def test_a_partitioner_failure_on_a_tspc_tag_is_a_tspc_error(monkeypatch, tmp_pa
                 aot_graphs._mark(n)
         return real(graph)
 
-    monkeypatch.setattr(tspc.pipeline, "mark_transfers_for_recompute", tag_the_norm_output)
+    monkeypatch.setattr(tspc.graph_phases, "mark_transfers_for_recompute", tag_the_norm_output)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16))
     x = torch.randn(2, 8, 16)
