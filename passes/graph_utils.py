@@ -459,3 +459,18 @@ def reachable(
         nxt = n.users if forward else n.all_input_nodes
         stack.extend(x for x in nxt if within is None or x in within)
     return seen
+
+
+def backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:
+    """The tensor nodes ``dst`` depends on, from ``start`` on in graph order (nodes before
+    ``start`` cannot lie on a path from it; stopping there keeps each call local to one layer
+    instead of walking back through every earlier layer)."""
+    seen = {dst}
+    stack = [dst]
+    while stack:
+        n = stack.pop()
+        for i in tensor_inputs(n, include_tuples=True):
+            if i not in seen and not i < start:
+                seen.add(i)
+                stack.append(i)
+    return seen

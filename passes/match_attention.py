@@ -27,6 +27,7 @@ from .elementwise import is_reshape
 from .gqa import NoMatch, head_repeat_chain, projected_kv_heads
 from .graph_utils import (
     arg,
+    backward_reach,
     is_getitem,
     node_module_fqn,
     op_name,
@@ -210,21 +211,6 @@ def _forward_reach(src: fx.Node, limit: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:
-    """The tensor nodes ``dst`` depends on, from ``start`` on in graph order (nodes before
-    ``start`` cannot lie on a path from it; stopping there keeps each call local to one layer
-    instead of walking back through every earlier layer)."""
-    seen = {dst}
-    queue = deque([dst])
-    while queue:
-        n = queue.popleft()
-        for i in tensor_inputs(n, include_tuples=True):
-            if i not in seen and not i < start:
-                seen.add(i)
-                queue.append(i)
-    return seen
-
-
 def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
     """Which output features of projection ``linear`` reach ``target``: all of them, or a
     last-dim slice of a fused projection (``qkv[..., a:b]``, ``qkv.narrow(-1, a, n)``, or an
@@ -233,7 +219,7 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
     lin = as_linear(linear, params)
     w, b = lin.weight, lin.bias
     out_features = lin.out_features
-    on_path = _backward_reach(target, linear)
+    on_path = backward_reach(target, linear)
 
     def whole() -> Projection:
         return _oriented(Projection(linear, w, b, 0, out_features, linear), lin, linear)

@@ -32,7 +32,15 @@ import torch
 import torch.fx as fx
 
 from .analyse import GraphInfo
-from .graph_utils import module_fqn_of_param, op_name, reachable, shape, tensor_inputs, val
+from .graph_utils import (
+    backward_reach,
+    module_fqn_of_param,
+    op_name,
+    reachable,
+    shape,
+    tensor_inputs,
+    val,
+)
 from .held_whole import size_fix
 from .match_attention import Skip, failed
 
@@ -129,17 +137,6 @@ def is_constant(node: fx.Node) -> bool:
     return not any(n.op == "placeholder" for n in reachable([node], forward=False))
 
 
-def _ancestors(node: fx.Node, floor: fx.Node) -> set[fx.Node]:
-    seen, stack = {node}, [node]
-    while stack:
-        n = stack.pop()
-        for i in tensor_inputs(n, include_tuples=True):
-            if i not in seen and not i < floor:
-                seen.add(i)
-                stack.append(i)
-    return seen
-
-
 def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
     """The experts computation applying the stacked weights ``w_a`` and ``w_b``."""
     found = [_grouped_mm_of(w_a), _grouped_mm_of(w_b)]
@@ -182,7 +179,7 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
         raise _NoMatch(f"the stacked weights {list(s1)}, {list(s2)} do not map {hidden} to itself")
     # the chain: the first matmul's output reaches the second's input through row-wise ops
     mm2_in = mm2.args[0]
-    chain_nodes = _ancestors(mm2_in, mm1) & reachable([mm1], within=None) - {mm1}
+    chain_nodes = backward_reach(mm2_in, mm1) & reachable([mm1], within=None) - {mm1}
     for n in chain_nodes:
         for i in tensor_inputs(n, include_tuples=True):
             if i is not mm1 and i not in chain_nodes and not is_constant(i):
@@ -191,7 +188,7 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
             raise _NoMatch(f"{n.name} between the expert matmuls is not row-wise")
     out = _combined_output(mm2, n_tok, hidden)
     region = (
-        _ancestors(out, ids) & reachable([w1, w2, ids], forward=True, within=None)
+        backward_reach(out, ids) & reachable([w1, w2, ids], forward=True, within=None)
     ) | chain_nodes
     region = {n for n in region if not out < n}
     weights = _router_weights(region, x, ids, w1, w2, pairs)
