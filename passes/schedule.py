@@ -75,6 +75,7 @@ from .schedule_nodes import (  # noqa: F401  (is_heavy, is_view_or_pack, pin_mut
     is_heavy,
     is_pinned,
     is_view_or_pack,
+    mode_regions,
     pin_mutation_order,
 )
 
@@ -107,7 +108,10 @@ class _Order:
 
     Moving a block of nodes gives them positions inside the gap they land in; when a gap is
     used up every node is renumbered (rare), so comparisons stay O(1) without re-enumerating
-    the graph after each move.
+    the graph after each move. No move crosses a grad-mode or autocast switch (the switches
+    are pinned; each node keeps the stretch between them it was traced in): a softmax hoisted
+    out of PhiMoE's ``enable_grad`` stretch into the ``no_grad`` one before it ran without
+    recording its gradient (issue 27).
     """
 
     GAP = 1 << 24
@@ -115,6 +119,7 @@ class _Order:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self.pos: dict[fx.Node, int] = {}
+        self.region = mode_regions(graph)
         self._renumber()
 
     def _renumber(self) -> None:
@@ -128,7 +133,10 @@ class _Order:
         return self.pos.get(n, self.end)  # the graph's root sentinel sorts last
 
     def place_after(self, anchor: fx.Node, block: list[fx.Node]) -> bool:
-        """Put ``block`` (in this order) right after ``anchor``; False if already there."""
+        """Put ``block`` (in this order) right after ``anchor``; False if already there or
+        if a node of ``block`` would leave its grad-mode stretch."""
+        if any(self.region.get(b, 0) != self.region.get(anchor, 0) for b in block):
+            return False
         inside = set(block)
         cur = anchor
         for b in block:

@@ -123,3 +123,28 @@ def is_pinned(n: fx.Node) -> bool:
         return n.is_impure()
     except Exception:  # noqa: BLE001 - an op fx cannot classify: leave it where it is
         return True
+
+
+# Calls that switch a mode every later node runs under (Dynamo keeps ``with torch.no_grad()``
+# and ``autocast`` blocks as such calls in the graph): a node moved across one runs under the
+# other mode, e.g. a softmax hoisted out of an ``enable_grad`` block into the ``no_grad`` one
+# before it computes the same values but records no gradient.
+_MODE_SWITCHES = frozenset(
+    {"_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast"}
+)
+
+
+def is_mode_switch(n: fx.Node) -> bool:
+    """A grad-mode or autocast switch (pinned, and nothing may move across it)."""
+    return n.op == "call_function" and getattr(n.target, "__name__", "") in _MODE_SWITCHES
+
+
+def mode_regions(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Node -> the index of the stretch between mode switches it runs in (a switch opens the
+    stretch after it)."""
+    region, out = 0, {}
+    for n in graph.nodes:
+        if is_mode_switch(n):
+            region += 1
+        out[n] = region
+    return out
