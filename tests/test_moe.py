@@ -42,9 +42,11 @@ MOE_FAMILIES: dict[str, dict] = {
     },
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    # sparse-mixer routing (no top-k; eval mode: in training it samples its experts). Its
+    # second choice's softmax runs after a no_grad block: layer 0's router gradient checks
+    # that the schedule keeps it there (tests/test_schedule_grad_mode.py, issue 27)
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
 }
-# PhiMoE (sparse-mixer routing, no top-k) is left out of expert parallelism with its reason:
-# its router's gradient differed from one process here (docs/moe.md)
 
 
 def build(family: str, seed: int = 0, **extra):
