@@ -43,7 +43,8 @@ from .ring_mlp import chain_of
 
 LOAD: dict[str, int] = {}
 """tag -> the (token, choice) rows this rank ran through its experts in the layer's last
-forward (gather it over the ranks for the load imbalance: ``max / mean``)."""
+forward (``moe_load`` gathers it over the ranks: the load imbalance, ``max / mean``)."""
+_LOAD_GROUP: dict[str, str] = {}  # tag -> the TSP group's name the layer ran on
 
 
 def experts_per_rank(experts: int, world: int) -> int:
@@ -139,6 +140,7 @@ def moe_experts(
     pg = process_group(group) if world > 1 else None
     plan = _Plan(ids, experts, world, rank, pg, tag)
     LOAD[tag] = int(sum(plan.recv_counts))
+    _LOAD_GROUP[tag] = group
     k = ids.numel() // max(x.shape[0], 1)
     src = x.reshape(x.shape[0], -1)[plan.order // k]
     rows = _exchange(src, plan.send_counts, plan.recv_counts, rank, pg, tag)
@@ -241,3 +243,35 @@ def moe_bytes(
     outbound = sum(pairs_to[rank][q] for q in range(world) if q != rank) * hidden * elem
     fwd = counts + inbound + outbound
     return fwd + (counts + 2 * inbound + outbound if backward else 0)
+
+
+def moe_load(report=None) -> dict[str, dict]:
+    """Per expert-parallel MoE layer (tag), the (token, choice) pairs each rank's experts ran in
+    the layer's last forward: ``{"pairs_per_rank", "max", "mean", "imbalance"}`` (``max /
+    mean``). A collective over each layer's group: every rank calls it, after the same
+    forwards. With ``report`` (``tspc.last_report()``), also written into its MoE entries
+    (``details["load"]``, shown by its ``summary()``)."""
+    out: dict[str, dict] = {}
+    for tag in sorted(LOAD):
+        world, group = 1, None
+        if _LOAD_GROUP.get(tag) and dist.is_initialized():
+            group = process_group(_LOAD_GROUP[tag])
+            world = dist.get_world_size(group)
+        mine = torch.tensor([LOAD[tag]], dtype=torch.int64)
+        parts = [torch.zeros_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(parts, mine, group=group)
+        else:
+            parts = [mine]
+        per_rank = [int(p.item()) for p in parts]
+        mean = sum(per_rank) / len(per_rank)
+        out[tag] = {
+            "pairs_per_rank": per_rank,
+            "max": max(per_rank),
+            "mean": mean,
+            "imbalance": max(per_rank) / mean if mean else 1.0,
+        }
+    for e in report.entries if report is not None else []:
+        if e.module in out and e.details.get("form") == "moe (expert parallel)":
+            e.details["load"] = out[e.module]
+    return out

@@ -97,7 +97,7 @@ def moe_worker(rank: int, world: int, families: list[str]) -> list[dict]:
     _quiet()
     import tspc
     from tspc.runtime.counters import COUNTER
-    from tspc.runtime.moe import moe_bytes
+    from tspc.runtime.moe import moe_bytes, moe_load
 
     rows = []
     for family in families:
@@ -116,6 +116,7 @@ def moe_worker(rank: int, world: int, families: list[str]) -> list[dict]:
         got = compiled(input_ids=ids).logits
         (got * probe).sum().backward()
         rep = tspc.last_report()
+        load = moe_load(rep)  # a collective: every rank, after the same forward
         by_tag = COUNTER.snapshot()["by_tag"]
         err, owned = grad_error(ref, model)
         mlp = [(e.module, e.status, e.reason) for e in rep.entries if e.kind == "mlp"]
@@ -136,6 +137,11 @@ def moe_worker(rank: int, world: int, families: list[str]) -> list[dict]:
                 "measured": measured,
                 "predicted": predicted,
                 "level": rep.level,
+                # pairs each rank's experts ran: the runtime's count, and the reference
+                # router's (sum over source ranks s of pairs_to[s][q])
+                "load": [load[m]["pairs_per_rank"] for m in moe],
+                "expected_load": [[sum(col) for col in zip(*c)] for c in counts],
+                "summary": rep.summary(),
             }
         )
     return rows
@@ -152,6 +158,8 @@ def _check(rows_by_rank: list[list[dict]], world: int) -> None:
             assert all(s == "matched" for _, s, _ in r["mlp"]), (f, r["mlp"])
             assert len(r["owned"]) == 4, (f, r["owned"])  # 2 stacked weights x 2 layers
             assert r["measured"] == r["predicted"], (f, r["measured"], r["predicted"])
+            assert r["load"] == r["expected_load"], (f, r["load"], r["expected_load"])
+            assert r["summary"].count("expert load: pairs per rank") == 2, r["summary"]
 
 
 @pytest.mark.slow

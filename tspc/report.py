@@ -122,6 +122,11 @@ class CompileReport:
         for e in self.entries:
             extra = f" ({e.reason})" if e.reason else ""
             lines.append(f"  {e.kind:9s} {e.status:8s} {e.module}{extra}")
+            if load := e.details.get("load"):  # runtime.moe.moe_load(), after a forward
+                lines.append(
+                    f"    expert load: pairs per rank {load['pairs_per_rank']} (max "
+                    f"{load['max']}, mean {load['mean']:g}, imbalance {load['imbalance']:.2f})"
+                )
         if self.census:
             n_att = sum(c["kind"] == "attention" for c in self.census)
             lines.append(
