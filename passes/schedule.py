@@ -73,6 +73,7 @@ from .schedule_nodes import (  # noqa: F401  (is_heavy, is_view_or_pack, pin_mut
     _is_view,
     _is_wait,
     is_heavy,
+    is_mode_switch,
     is_pinned,
     is_view_or_pack,
     mode_regions,
@@ -120,11 +121,22 @@ class _Order:
         self.graph = graph
         self.pos: dict[fx.Node, int] = {}
         self.region = mode_regions(graph)
+        self.switches = [n for n in graph.nodes if is_mode_switch(n)]
         self._renumber()
 
     def _renumber(self) -> None:
         self.pos = {n: (i + 1) * self.GAP for i, n in enumerate(self.graph.nodes)}
         self.end = (len(self.pos) + 1) * self.GAP
+
+    def opener(self, n: fx.Node) -> fx.Node | None:
+        """The mode switch that opens ``n``'s stretch (nothing moves above it with ``n``)."""
+        r = self.region.get(n, 0)
+        return self.switches[r - 1] if r else None
+
+    def closer(self, n: fx.Node) -> fx.Node | None:
+        """The mode switch that ends ``n``'s stretch (nothing moves below it with ``n``)."""
+        r = self.region.get(n, 0)
+        return self.switches[r] if r < len(self.switches) else None
 
     def __getitem__(self, n: fx.Node) -> int:
         return self.pos[n]
@@ -376,6 +388,8 @@ def _sink(order: _Order, wait: fx.Node, travels, bound: fx.Node | None) -> bool:
     blockers = [u for n in (wait, *cone) for u in n.users if u not in cone]
     if bound is not None:
         blockers.append(bound)
+    if (closer := order.closer(wait)) is not None:
+        blockers.append(closer)  # a wait stays in its grad-mode stretch
     if not blockers:
         return False
     target = min(blockers, key=order.__getitem__)
@@ -420,6 +434,8 @@ def _hoist(
     anchor = floor
     if gate is not None and order[gate] > order[anchor]:
         anchor = gate
+    if (opener := order.opener(start)) is not None and order[opener] > order[anchor]:
+        anchor = opener  # a start and its producers stay in their grad-mode stretch
     if order[anchor] >= order[start]:
         if anchor is gate and order[gate] > order[start]:
             return _delay_to(order, start, gate, hoisted)
