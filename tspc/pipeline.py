@@ -61,6 +61,7 @@ from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
 from tspc.runtime.compat import LazyGraphModule
+from tspc.runtime.context import RuntimeContext
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE, ShardStore
 
@@ -91,6 +92,7 @@ class PipelineResult:
     # This rank's weight shards, which the rewritten graph takes as extra inputs after the
     # original ones (see passes/shard_inputs.py); the runtime fills them on every call.
     shard_inputs: list[ShardInput] = field(default_factory=list)
+    runtime: RuntimeContext = field(default_factory=RuntimeContext)
 
     def example_inputs(self, original: list[Any]) -> list[Any]:
         return list(original) + [s.example for s in self.shard_inputs]
@@ -120,6 +122,8 @@ class PassContext:
     shard_store: ShardStore = field(default_factory=lambda: STORE)
     # modules left out of the rewrites because theirs raised (tspc/module_isolation.py)
     failures: ModuleFailures = field(default_factory=ModuleFailures)
+    # what the rewrites hand to the runtime, kept by the compiled graph (runtime/context.py)
+    runtime: RuntimeContext = field(default_factory=RuntimeContext)
 
     @property
     def rewrites(self) -> bool:
@@ -208,7 +212,9 @@ def _collapse_moe(ctx: PassContext) -> None:
         if failed:
             ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
             continue
-        op = rewrite_guarded("mlp", m.module, lambda m=m: collapse_moe(ctx.gm, m))
+        op = rewrite_guarded(
+            "mlp", m.module, lambda m=m: collapse_moe(ctx.gm, m, ctx.runtime.chains)
+        )
         ctx.moe_ops.append((m, op))
     if ctx.moe_ops:
         propagate_shapes(ctx.gm, ctx.example_inputs)
@@ -328,7 +334,9 @@ def _rewrite_mlp(ctx: PassContext) -> None:
             ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
             continue
         out = rewrite_guarded(
-            "mlp", m.module, lambda m=m: rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+            "mlp",
+            m.module,
+            lambda m=m: rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards, ctx.runtime.chains),
         )
         details = {k: v for k, v in vars(out).items() if k != "module"}
         details["intermediate"] = m.intermediate
@@ -486,7 +494,7 @@ def _run_pipeline_once(
     ctx = PassContext(
         gm, list(example_inputs), group, opts, level, report, shard_store=store, failures=failures
     )
-    res = PipelineResult(gm, report)
+    res = PipelineResult(gm, report, runtime=ctx.runtime)
 
     # Only a dump shows the per-pass code: generating it for the whole graph after every
     # pass is a cost no other user of the pipeline should pay.
