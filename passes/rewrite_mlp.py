@@ -67,7 +67,10 @@ def rewrite_mlp(
     m: MlpMatch,
     group: TSPGroup,
     shards: ShardInputs,
+    chains: dict,
 ) -> MlpRewrite:
+    """``chains``: the compiled graph's ``RuntimeContext.chains``, which holds the ring's
+    activation chain for as long as the graph lives."""
     g = gm.graph
     D, rank = group.size, group.rank
     f_local = m.intermediate // D
@@ -97,7 +100,7 @@ def rewrite_mlp(
                     torch.narrow, (pnode, spec.dim, spec.start, spec.stop - spec.start)
                 )
         chain = chain_module(m)
-        key = register_chain(chain_key(m, chain), chain)
+        key = register_chain(chain_key(m, chain), chain, chains)
         k = len(m.ups)
         orient = "".join("t" if lin.transposed else "n" for lin in [u.proj for u in m.ups])
         x = m.ups[0].proj.current_x()

@@ -67,7 +67,7 @@ def _specs(m: MoeMatch, world: int, rank: int) -> ShardSpec | None:
     return ShardSpec(0, own.start, own.stop) if len(own) else None
 
 
-def collapse_moe(gm: fx.GraphModule, m: MoeMatch) -> fx.Node:
+def collapse_moe(gm: fx.GraphModule, m: MoeMatch, chains: dict) -> fx.Node:
     """Replace the experts' region by one ``moe_experts`` call on the whole weights (world 1)
     and the weighted sum; returns the call. Runs before the sequence pass, which sees a
     token-wise op (``passes/seq_rules_moe.py``) where the region's sorts over all pairs would
@@ -76,7 +76,7 @@ def collapse_moe(gm: fx.GraphModule, m: MoeMatch) -> fx.Node:
     with g.inserting_before(m.out):
         chain = moe_chain_module(m)
         digest = hashlib.sha1(chain.code.encode()).hexdigest()[:10]
-        key = register_chain(f"moe#{digest}", chain)
+        key = register_chain(f"moe#{digest}", chain, chains)
         out_dtype = tensor_val(m.mm2).dtype
         args = (m.x, m.ids, m.w1, m.w2, key, m.orient, m.experts, out_dtype, 0, 1, "", m.module)
         res = g.call_function(torch.ops.tspc.moe_experts.default, args)

@@ -36,6 +36,7 @@ both directions into graphs where every hop is a visible node and the compute ca
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -44,15 +45,31 @@ import torch.nn.functional as F
 from .comm import ring_hop
 from .packing import pack, unpack
 
-_CHAINS: dict[str, Callable[..., torch.Tensor]] = {}
+_BUILTIN_CHAINS: dict[str, Callable[..., torch.Tensor]] = {}
+# Chains the rewrites extract from a model's graph, held by the compiled graphs that call them
+# (each one's ``RuntimeContext.chains``): an entry goes when the last graph holding it does.
+_CHAINS: weakref.WeakValueDictionary[str, Callable[..., torch.Tensor]] = (
+    weakref.WeakValueDictionary()
+)
 
 
-def register_chain(key: str, fn: Callable[..., torch.Tensor]) -> str:
+def register_chain(
+    key: str, fn: Callable[..., torch.Tensor], owner: dict[str, Callable] | None = None
+) -> str:
     """Make the elementwise function ``fn`` (of the k projections) callable by the ring as
     ``key``. The graph names the chain by key (a string) rather than holding the callable, so
     it stays printable and hashable; keys are derived from the chain's code, so a key names one
-    function wherever it is registered."""
-    _CHAINS.setdefault(key, fn)
+    function wherever it is registered. With ``owner`` (a compiled graph's
+    ``RuntimeContext.chains``), the registration lasts as long as some owner holds it, and
+    ``owner`` gets the function registered under ``key`` (the first one registered); without,
+    it lasts as long as the process (hand-written schedules)."""
+    if owner is None:
+        _BUILTIN_CHAINS.setdefault(key, fn)
+        return key
+    registered = _registered(key)
+    if registered is None:
+        _CHAINS[key] = registered = fn
+    owner[key] = registered
     return key
 
 
@@ -74,11 +91,16 @@ for _name, _fn in {
     _builtin(_name, _fn)
 
 
+def _registered(key: str) -> Callable[..., torch.Tensor] | None:
+    fn = _BUILTIN_CHAINS.get(key)
+    return fn if fn is not None else _CHAINS.get(key)
+
+
 def chain_of(key: str) -> Callable[..., torch.Tensor]:
-    try:
-        return _CHAINS[key]
-    except KeyError:
-        raise ValueError(f"activation chain {key!r} is not registered with the MLP ring") from None
+    fn = _registered(key)
+    if fn is None:
+        raise ValueError(f"activation chain {key!r} is not registered with the MLP ring")
+    return fn
 
 
 def _project(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, t: bool) -> torch.Tensor:

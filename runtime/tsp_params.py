@@ -38,9 +38,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
-from .compat import no_fake_mode, outermost_module_call, strided_shard
+from .compat import no_fake_mode, optimized_module_class, outermost_module_call, strided_shard
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
-from .errors import TSPHeldWholeWarning
+from .errors import TSPConfigError, TSPHeldWholeWarning
 from .group import process_group
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
@@ -322,6 +322,7 @@ def adopt(tps: Iterable[TSPParam]) -> None:
                     tp.owners.append((m, name))
         for m, name in tp.owners:
             m._parameters[name] = tp.dparam
+            _own(m, tp)
             _add_eager_guard(m)
             if tp.placement[0] == "strided":
                 _add_state_dict_hooks(m)
@@ -376,27 +377,61 @@ def _route_grad(handle: nn.Parameter, tp: TSPParam) -> None:
 _GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def _own(m: nn.Module, tp: TSPParam) -> None:
+    """The module holding ``tp``'s DTensor holds ``tp``: the record lives as long as that
+    module, not only as long as the compiled module whose first call made it. An attribute,
+    not a weakly keyed table: ``tp`` refers to ``m`` (its owners), which would keep a table's
+    key alive for good; a cycle through the module goes with it."""
+    records = m.__dict__.setdefault("_tspc_records", [])
+    if tp not in records:
+        records.append(tp)
+
+
 def _add_eager_guard(m: nn.Module) -> None:
     if m not in _GUARDED:
         _GUARDED.add(m)
         m.register_forward_pre_hook(_eager_guard)
 
 
+def _another_compiled_module(module: nn.Module) -> TSPConfigError:
+    return TSPConfigError(
+        f"tspc: {type(module).__name__} already holds DTensor parameters from an earlier "
+        "torch.compile(model, backend='tsp'), and this compiled module is another one: tspc "
+        "runs a model through the compiled module whose first call sharded it. Keep that "
+        "compiled module and call it (it recompiles after torch.compiler.reset() too); for a "
+        "second compile, build a fresh model and load get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True)) into it."
+    )
+
+
 def _eager_guard(module: nn.Module, args) -> None:
     """Calling a module eagerly while it holds DTensor parameters would mix them with plain
-    activations (DTensor's error names neither the cause nor the fix)."""
+    activations (DTensor's error names neither the cause nor the fix). Traced by Dynamo,
+    DTensors here mean a compiled wrapper other than the one whose first call made them (its
+    hook puts the plain stand-ins in place first): say so, not DTensor's mixed-tensor error."""
     if torch.compiler.is_compiling():
+        if any(isinstance(p, DTensor) for p in module._parameters.values()):
+            raise _another_compiled_module(module)  # Dynamo runs the call eagerly: see below
         return
-    names = [n for n, p in module._parameters.items() if p is not None and is_tsp_dtensor(p)]
-    if names:
-        from .release import ReleasedParameterError
+    _check_eager_call(module)
 
-        raise ReleasedParameterError(
-            f"tspc: calling {type(module).__name__} eagerly: its parameters {names} are DTensors "
-            "holding this rank's slices since the model's first compiled call. Call the "
-            "compiled model; for a plain copy, load get_model_state_dict(model, "
-            "options=StateDictOptions(full_state_dict=True)) into a fresh model."
-        )
+
+@torch.compiler.disable  # reads the Python stack, which Dynamo cannot trace
+def _check_eager_call(module: nn.Module) -> None:
+    names = [n for n, p in module._parameters.items() if p is not None and is_tsp_dtensor(p)]
+    if not names:
+        return
+    entry = _entry_module()
+    if entry is not module and isinstance(entry, optimized_module_class()):
+        raise _another_compiled_module(module)
+    from .release import ReleasedParameterError
+
+    raise ReleasedParameterError(
+        f"tspc: calling {type(module).__name__} eagerly: its parameters {names} are DTensors "
+        "holding this rank's slices since the model's first compiled call. Call the "
+        "compiled model; for a plain copy, load get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True)) into a fresh model."
+    )
 
 
 # --------------------------------------------------------------------------- the call's swap

@@ -212,3 +212,30 @@ def test_a_transformers_mixtral_block_goes_to_expert_parallelism_not_the_ring():
     none3, skips3 = match_moe(gm, info, 3)
     assert not none3 and "a rank would own none" in skips3[0].reason, skips3
     assert "1, 2, 4" in skips3[0].fix, skips3[0].fix
+
+
+def test_a_compiled_models_activation_chains_die_with_it():
+    """The rings' activation chains are held by the compiled graph that calls them (its
+    ``RuntimeContext``), not by the process: once the compiled model, Dynamo's cache of it and
+    the backend's history of recent compiles are gone, no chain of it is registered."""
+    import gc
+    import weakref
+
+    from tspc.backend import COMPILED
+    from tspc.runtime import ring_mlp
+
+    torch.compiler.reset()
+    before = set(ring_mlp._CHAINS)
+    ref, model = model_with("new_gelu"), model_with("new_gelu")
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(model, backend="tsp")
+    torch.testing.assert_close(compiled(ids), ref(ids))  # the ring ran the chain, and right
+    new = set(ring_mlp._CHAINS) - before
+    assert new, "the compile registered no chain: nothing to check"
+    chains = [weakref.ref(ring_mlp._CHAINS[k]) for k in new]
+    del compiled, model
+    torch.compiler.reset()
+    COMPILED.clear()
+    gc.collect()
+    assert all(c() is None for c in chains)
+    assert not set(ring_mlp._CHAINS) - before

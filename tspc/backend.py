@@ -32,6 +32,7 @@ from tspc.passes.analyse import analyse
 from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.compat import tracing_context
+from tspc.runtime.context import RuntimeContext
 from tspc.runtime.data_parallel import average_grads_over
 from tspc.runtime.dp_shard import whole_over_dp
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
@@ -207,6 +208,7 @@ def _compile_static(
         group,
         opts.comm_timeout,
         gathers,
+        result.runtime,
     )
 
 
@@ -320,8 +322,11 @@ class _CompiledTSPGraph:
         group: TSPGroup,
         comm_timeout: float | None = None,
         gathers: list[tuple[int, str]] = (),
+        runtime: RuntimeContext | None = None,
     ):
         self.fn = fn
+        # what the passes handed to the runtime (the rings' chains): it lives as this graph does
+        self.runtime = runtime if runtime is not None else RuntimeContext()
         self.gathers = list(gathers)  # released weights read whole: gathered at every call
         self.comm_timeout = comm_timeout  # this graph's own (options["comm_timeout"])
         self.releasable = set(releasable)

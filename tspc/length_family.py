@@ -189,6 +189,7 @@ class LengthProbe:
                     f"{probe}, {self.longest} at {length}"
                 )
             graphs.append(res.gm)
+            result.runtime.chains.update(res.runtime.chains)  # the general graph calls them
         name = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"][self.seq.index]
         general = generalize_sequence_length(graphs, self.lengths, name, self.chunks)
         mode, self.shape_env, symint = symbolic_fake_mode(length, "tspc_sequence_length")

@@ -25,6 +25,7 @@ and keeps its snapshots for a dump. ``python -m tspc.pipeline`` prints the list
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ from tspc.passes.schedule import schedule_overlap
 from tspc.passes.shard_inputs import ShardInput, ShardInputs
 from tspc.passes.shard_sequence import find_sequence_length, shard_sequence
 from tspc.runtime.compat import LazyGraphModule
+from tspc.runtime.context import RuntimeContext
 from tspc.runtime.group import TSPGroup
 from tspc.runtime.shard_store import STORE, ShardStore
 
@@ -91,6 +93,7 @@ class PipelineResult:
     # This rank's weight shards, which the rewritten graph takes as extra inputs after the
     # original ones (see passes/shard_inputs.py); the runtime fills them on every call.
     shard_inputs: list[ShardInput] = field(default_factory=list)
+    runtime: RuntimeContext = field(default_factory=RuntimeContext)
 
     def example_inputs(self, original: list[Any]) -> list[Any]:
         return list(original) + [s.example for s in self.shard_inputs]
@@ -120,6 +123,8 @@ class PassContext:
     shard_store: ShardStore = field(default_factory=lambda: STORE)
     # modules left out of the rewrites because theirs raised (tspc/module_isolation.py)
     failures: ModuleFailures = field(default_factory=ModuleFailures)
+    # what the rewrites hand to the runtime, kept by the compiled graph (runtime/context.py)
+    runtime: RuntimeContext = field(default_factory=RuntimeContext)
 
     @property
     def rewrites(self) -> bool:
@@ -199,17 +204,27 @@ def _match(ctx: PassContext) -> None:
     ctx.seq_len = ctx.report.seq_len = find_sequence_length(ctx.gm)
 
 
+def _rewrite_each(ctx: PassContext, kind: str, matches: list, rewrite) -> Iterator[tuple]:
+    """``(match, rewrite(match))`` for each match not left out by an earlier attempt
+    (``tspc/module_isolation.py``; those are reported skipped), each rewrite guarded so that
+    one that raises names its module."""
+    for m in matches:
+        failed = ctx.failures.excluded(kind, m.module)
+        if failed:
+            ctx.report.entries.append(ModuleEntry(kind, m.module, "skipped", failed))
+            continue
+        yield m, rewrite_guarded(kind, m.module, lambda m=m: rewrite(m))
+
+
 def _collapse_moe(ctx: PassContext) -> None:
     """Each matched MoE block's experts become one ``moe_experts`` call before the sequence
     pass runs (``passes/rewrite_moe.py``: the region's sorts over all pairs would otherwise
     gather the sequence); ``_rewrite_mlp`` gives each call its rank's experts."""
-    for m in ctx.moe_matches:
-        failed = ctx.failures.excluded("mlp", m.module)
-        if failed:
-            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
-            continue
-        op = rewrite_guarded("mlp", m.module, lambda m=m: collapse_moe(ctx.gm, m))
-        ctx.moe_ops.append((m, op))
+
+    def collapse(m):
+        return collapse_moe(ctx.gm, m, ctx.runtime.chains)
+
+    ctx.moe_ops.extend(_rewrite_each(ctx, "mlp", ctx.moe_matches, collapse))
     if ctx.moe_ops:
         propagate_shapes(ctx.gm, ctx.example_inputs)
 
@@ -267,16 +282,11 @@ def _rewrite_attention(ctx: PassContext) -> None:
         _report_not_rewritten(ctx, "attention", ctx.att_matches)
         return
     ctx.shards = ShardInputs(ctx.gm, ctx.info, ctx.group, ctx.shard_store)
-    for m in ctx.att_matches:
-        failed = ctx.failures.excluded("attention", m.module)
-        if failed:
-            report.entries.append(ModuleEntry("attention", m.module, "skipped", failed))
-            continue
-        out = rewrite_guarded(
-            "attention",
-            m.module,
-            lambda m=m: rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards),
-        )
+
+    def rewrite(m):
+        return rewrite_attention(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
+
+    for m, out in _rewrite_each(ctx, "attention", ctx.att_matches, rewrite):
         if isinstance(out, AttentionRewrite):
             skip = ("module", "notes", "model_kv_heads", "held_whole")
             details = {k: v for k, v in vars(out).items() if k not in skip}
@@ -322,14 +332,11 @@ def _rewrite_mlp(ctx: PassContext) -> None:
         )
         details = {k: v for k, v in vars(out).items() if k != "module"}
         ctx.report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
-    for m in ctx.mlp_matches:
-        failed = ctx.failures.excluded("mlp", m.module)
-        if failed:
-            ctx.report.entries.append(ModuleEntry("mlp", m.module, "skipped", failed))
-            continue
-        out = rewrite_guarded(
-            "mlp", m.module, lambda m=m: rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards)
-        )
+
+    def rewrite(m):
+        return rewrite_mlp(ctx.gm, ctx.info, m, ctx.group, ctx.shards, ctx.runtime.chains)
+
+    for m, out in _rewrite_each(ctx, "mlp", ctx.mlp_matches, rewrite):
         details = {k: v for k, v in vars(out).items() if k != "module"}
         details["intermediate"] = m.intermediate
         ctx.report.entries.append(ModuleEntry("mlp", m.module, "matched", "", details))
@@ -486,7 +493,7 @@ def _run_pipeline_once(
     ctx = PassContext(
         gm, list(example_inputs), group, opts, level, report, shard_store=store, failures=failures
     )
-    res = PipelineResult(gm, report)
+    res = PipelineResult(gm, report, runtime=ctx.runtime)
 
     # Only a dump shows the per-pass code: generating it for the whole graph after every
     # pass is a cost no other user of the pipeline should pay.
