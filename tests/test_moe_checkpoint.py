@@ -1,6 +1,6 @@
 """A mixture-of-experts model checkpoints like a dense one (issue 27): DCP save at D = 2, load at
 D = 4 and in one plain process, with the optimizer state, and the third step equals uninterrupted
-training in one process without tspc. The stacked experts are ``Shard(0)`` DTensors on the TSP
+training in one process without tspc. Mixtral with E = 3 experts, uneven at D = 2 and D = 4. The stacked experts are ``Shard(0)`` DTensors on the TSP
 axis, so DCP reshards them by itself. The weights' live storages per rank at D = 2 are measured
 against one process's.
 """
@@ -16,7 +16,8 @@ from tests.test_moe import build as build_moe
 from tests.test_training_idioms import _same_third_step, _step, _third_step, adamw, batches
 from tspc.launch import spawn
 
-MOE = {"num_local_experts": 4}
+# E = 3: uneven on both meshes (torch.chunk: 2 + 1 experts at D = 2, 1 + 1 + 1 + 0 at D = 4)
+MOE = {"num_local_experts": 3}
 
 
 def _logits(m, ids):
