@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tspc.tools import plan_moe
 from tspc.tools.shapes import (
     DEFAULT_A_REP_PER_H,
     DEFAULT_OVERHEAD_GB,
@@ -68,7 +69,7 @@ class SchemePlan:
     """One parallel layout of D devices: tp = weight-sharding ways, sp = token-sharding ways."""
 
     name: str
-    kind: str  # "DP", "TP", "SP", "TP+SP", "TSP"
+    kind: str  # "DP", "TP", "SP", "TP+SP", "TSP", and for a MoE model "TP+EP"
     tp: int
     sp: int
     memory: MemoryBreakdown
@@ -104,15 +105,23 @@ class Plan:
         raise KeyError(f"no scheme {name!r}; have {[s.name for s in self.schemes]}")
 
 
-def _divisibility_notes(model: ModelShape, ways: int, what: str) -> tuple[str, ...]:
+def _divisibility_notes(
+    model: ModelShape, ways: int, what: str, kind: str = "TP"
+) -> tuple[str, ...]:
     notes = []
-    for count, label in (
-        (model.heads, "attention heads"),
-        (model.kv_heads, "KV heads"),
-        (model.intermediate, "intermediate size"),
-    ):
+    width = (
+        (model.expert_intermediate, "expert intermediate size")
+        if model.is_moe
+        else (model.intermediate, "intermediate size")
+    )
+    counts = [(model.heads, "attention heads"), (model.kv_heads, "KV heads")]
+    if not (model.is_moe and kind in ("TSP", "TP+EP")):  # those split experts, not F
+        counts.append(width)
+    for count, label in counts:
         if count % ways:
             notes.append(f"{label} ({count}) not divisible by {what} = {ways}")
+    if model.is_moe:
+        notes += plan_moe.divisibility_notes(model, ways, kind)
     return tuple(notes)
 
 
@@ -130,7 +139,9 @@ def memory_breakdown(
     act_split = 1 if kind == "TSP" else tp
 
     layer_weights = model.layers * model.layer_params
-    if kind == "TSP":
+    if model.is_moe:
+        model_state = inputs.kappa * plan_moe.model_state_params(model, inputs, kind, tp)
+    elif kind == "TSP":
         embed_ways = tp if inputs.tsp_embeddings == "sharded" else 1
         model_state = inputs.kappa * (
             layer_weights / tp + model.embedding_params / embed_ways + model.norm_params
@@ -141,7 +152,8 @@ def memory_breakdown(
             (layer_weights + model.embedding_params) / tp + model.norm_params
         )
 
-    per_token_layer = inputs.a_rep(model) + inputs.a_sh(model) / act_split
+    routed = plan_moe.routed_per_token(model, kind, tp) if model.is_moe else 0.0
+    per_token_layer = inputs.a_rep(model) + inputs.a_sh(model) / act_split + routed
     if inputs.recompute == "full":
         # Only each layer's input survives the forward; plain TP keeps it whole on every rank.
         stored = model.layers * tokens * model.hidden * beta
@@ -150,6 +162,7 @@ def memory_breakdown(
         # The attention's Q, K, V and output are recomputed; norms, residual and MLP kept.
         attention = 2 * model.q_width + 2 * model.kv_width
         kept = inputs.a_rep(model) + max(inputs.a_sh(model) - attention, 0.0) / act_split
+        kept += routed
         stored = model.layers * kept * tokens * beta
         working = attention / act_split * tokens * beta  # one layer's attention at a time
     else:
@@ -169,7 +182,8 @@ def memory_breakdown(
 
     in_flight = 0.0
     if kind == "TSP" and tp > 1:
-        in_flight = inputs.tsp_inflight_shards * model.layer_params / tp * beta
+        streamed = model.attn_params if model.is_moe else model.layer_params  # experts stay
+        in_flight = inputs.tsp_inflight_shards * streamed / tp * beta
 
     return MemoryBreakdown(
         model_state=model_state,
@@ -196,8 +210,12 @@ def layer_comm(model: ModelShape, inputs: PlanInputs, kind: str, tp: int, sp: in
     if kind == "TSP":
         d = tp
         ring = (d - 1) / d
-        forward = ring * beta * (p_layer + 2 * batch_tokens * h_kv)
-        backward = ring * ((beta + grad_bytes) * p_layer + 2 * batch_tokens * h_kv * beta)
+        streamed = model.attn_params if model.is_moe else p_layer  # MoE: the experts stay put
+        forward = ring * beta * (streamed + 2 * batch_tokens * h_kv)
+        backward = ring * ((beta + grad_bytes) * streamed + 2 * batch_tokens * h_kv * beta)
+        if model.is_moe:
+            forward += plan_moe.tsp_all_to_all_bytes(model, inputs, backward=False)
+            backward += plan_moe.tsp_all_to_all_bytes(model, inputs, backward=True)
         return LayerComm(forward, backward)
 
     # TP part: two all-reduces of the (local-token) activations, in each direction.
@@ -205,6 +223,7 @@ def layer_comm(model: ModelShape, inputs: PlanInputs, kind: str, tp: int, sp: in
     # SP part: K/V all-gather of the local heads (forward), its reduce-scatter (backward).
     sp_volume = 2 * (sp - 1) / sp * batch_tokens * (h_kv / tp) * beta
     # Weights replicated over the sp (or DP) ways: gradient all-reduce of the local shard.
+    # (TP+EP: sp = 1, nothing replicated but the router; its combine is the TP all-reduce.)
     replicas = sp if kind != "DP" else inputs.devices
     grad_allreduce = 2 * (replicas - 1) / replicas * (p_layer / tp) * grad_bytes
     return LayerComm(forward=tp_volume + sp_volume, backward=tp_volume + sp_volume + grad_allreduce)
@@ -224,7 +243,11 @@ def make_plan(model: ModelShape, inputs: PlanInputs) -> Plan:
     ]
     for t, s in _factor_pairs(d):
         layouts.append((f"TP+SP(T={t},Σ={s})", "TP+SP", t, s, _divisibility_notes(model, t, "T")))
-    layouts.append((f"TSP(D={d})", "TSP", d, d, _divisibility_notes(model, d, "D")))
+    if model.is_moe and d > 1:
+        layouts.append(
+            (f"TP+EP(T={d})", "TP+EP", d, 1, _divisibility_notes(model, d, "T", "TP+EP"))
+        )
+    layouts.append((f"TSP(D={d})", "TSP", d, d, _divisibility_notes(model, d, "D", "TSP")))
 
     schemes = tuple(
         SchemePlan(
@@ -242,10 +265,16 @@ def make_plan(model: ModelShape, inputs: PlanInputs) -> Plan:
 
 
 def crossover(model: ModelShape, inputs: PlanInputs) -> Crossover:
-    """TSP forward <= TP forward  <=>  B*S >= P_layer / (4h - 2h_kv)  (= 8h for MHA, F = 4)."""
-    denominator = 4 * model.hidden - 2 * model.kv_width
-    tokens = model.layer_params / denominator if denominator > 0 else math.inf
+    """TSP forward <= TP forward  <=>  B*S >= P_layer / (4h - 2h_kv)  (= 8h for MHA, F = 4).
+    MoE: the ring streams P_attn only and the all-to-alls add 2 k h / D per token, so
+    B*S >= P_attn / (4h - 2h_kv - 2 k h / D) (the count exchange left out)."""
     d = inputs.devices
+    denominator = 4 * model.hidden - 2 * model.kv_width
+    streamed = model.layer_params
+    if model.is_moe:
+        streamed = model.attn_params
+        denominator -= 2 * model.experts_per_token * model.hidden / d
+    tokens = streamed / denominator if denominator > 0 else math.inf
     tsp = layer_comm(model, inputs, "TSP", d, d).forward
     tp = layer_comm(model, inputs, "TP", d, 1).forward
     return Crossover(
@@ -333,14 +362,33 @@ def assumptions(plan: Plan) -> list[str]:
         if inputs.tsp_embeddings == "replicated"
         else f"sharded 1/{inputs.devices}"
     )
+    moe = []
+    if model.is_moe:
+        c = plan_moe.experts_per_rank(model, inputs.devices)
+        moe = [
+            f"MoE: every layer routes each token to k = {model.experts_per_token} of "
+            f"E = {model.experts} gated experts of width F_e = {model.expert_intermediate}; "
+            f"TSP and TP+EP own c = {c} experts per rank (Shard(0) by expert), the router and "
+            "(TSP) the embeddings whole; TP and TP+SP shard every expert by F",
+            "MoE activations: the experts' 4 k F_e per token (split by T under TP, TP+SP, "
+            "TP+EP) plus the routed tokens' buffers a_route = 5 k h per local token (TSP: "
+            "sent, received, computed, returned, re-ordered rows), 3 k h (TP, TP+SP), "
+            "2 k h / D (TP+EP: only its own experts' pairs); balanced routing (each rank's "
+            "k B S / D pairs spread evenly over the owners)",
+            "MoE communication: TSP streams the attention weights only; its all-to-alls move "
+            "2 (D-1)/D k (B S / D) h b bytes forward and 3x that backward (runtime.moe."
+            "moe_bytes at balanced routing); TP+EP communicates as TP",
+        ]
     return [
         "GB = 1e9 bytes, MB = 1e6 bytes (the reported figures reproduce in 1e9, not GiB)",
+        *moe,
         f"training with Adam: kappa = {inputs.kappa:g} bytes/param of model state "
         "(bf16 weights + bf16 grads + fp32 master, m, v)",
         "model state: DP and SP replicate it; TP and TP+SP shard all weights by T "
         f"(embeddings vocab-parallel); TSP shards layer weights by D, embeddings {tsp_embed}; "
         "norm weights replicated everywhere",
-        f"dense decoder, {'gated' if model.gated_mlp else 'plain'} MLP "
+        ("MoE" if model.is_moe else "dense")
+        + f" decoder, {'gated' if model.gated_mlp else 'plain'} MLP "
         f"({model.mlp_matrices} matrices), flash-style attention (no S x S scores or mask)",
         recompute,
         f"activations in {inputs.dtype} ({beta} B/element); per token per layer "

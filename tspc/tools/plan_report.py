@@ -28,7 +28,13 @@ def format_table(plan: Plan) -> str:
         f"tspc plan: {model.name}",
         f"  model: h={model.hidden} L={model.layers} heads={model.heads} "
         f"kv_heads={model.kv_heads} intermediate={model.intermediate} vocab={model.vocab} "
-        f"{'tied' if model.tied_embeddings else 'untied'} embeddings",
+        f"{'tied' if model.tied_embeddings else 'untied'} embeddings"
+        + (
+            f", MoE: {model.experts} experts top-{model.experts_per_token} "
+            f"F_e={model.expert_intermediate}"
+            if model.is_moe
+            else ""
+        ),
         f"  params: {model.layers * model.layer_params / 1e9:.2f} B in layers + "
         f"{model.embedding_params / 1e9:.2f} B embeddings = {model.total_params / 1e9:.2f} B",
         f"  cluster: D={inputs.devices}, seq={inputs.seq_len} ({_fmt_tokens(inputs.seq_len)}), "
@@ -63,11 +69,12 @@ def format_table(plan: Plan) -> str:
 
     lines += ["", "Crossover"]
     kv_term = "2h_kv" if model.kv_width != model.hidden else "2h"
+    streamed, routed = ("P_attn", " - 2kh/D") if model.is_moe else ("P_layer", "")
     if math.isinf(cross.tokens):
         lines.append("  4h - 2h_kv <= 0: TSP never moves fewer forward bytes than TP")
     else:
         lines.append(
-            f"  TSP forward <= TP forward iff B*S >= P_layer / (4h - {kv_term}) = "
+            f"  TSP forward <= TP forward iff B*S >= {streamed} / (4h - {kv_term}{routed}) = "
             f"{cross.tokens:,.0f} tokens = {cross.tokens_over_h:.2f}h"
         )
     if inputs.devices == 1:

@@ -65,8 +65,12 @@ PLAIN_MLP_MODEL_TYPES = frozenset(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a dense decoder-only transformer: gated (3-matrix) MLPs, or plain
-    (2-matrix: up, down) ones with ``gated_mlp=False`` (GPT-2, GPT-NeoX)."""
+    """The shape of a decoder-only transformer: gated (3-matrix) MLPs, or plain (2-matrix: up,
+    down) ones with ``gated_mlp=False`` (GPT-2, GPT-NeoX). ``experts > 0`` makes every layer's
+    MLP a mixture of experts: a router ``[E, h]`` and ``experts`` gated experts of width
+    ``expert_intermediate``, ``experts_per_token`` (k) of them run per token; ``intermediate``
+    is then unused. ``family`` is the transformers ``model_type`` that ``--measure`` builds for
+    a MoE shape (``mixtral``, ``qwen3_moe``)."""
 
     hidden: int
     layers: int
@@ -78,12 +82,27 @@ class ModelShape:
     head_dim: int | None = None  # None: hidden // heads
     name: str = "model"
     gated_mlp: bool = True
+    experts: int = 0  # 0: a dense MLP
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    family: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model {key} must be a positive integer, got {value!r}")
+        if self.experts:
+            for key in ("experts", "experts_per_token", "expert_intermediate"):
+                value = getattr(self, key)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"MoE model {key} must be a positive integer, got {value!r}")
+            if self.experts_per_token > self.experts:
+                raise ValueError(
+                    f"{self.experts_per_token} experts per token but only {self.experts} experts"
+                )
+            if not self.gated_mlp:
+                raise ValueError("MoE experts are modelled as gated (3-matrix) MLPs")
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(
                 f"hidden size {self.hidden} is not divisible by {self.heads} heads "
@@ -139,6 +158,7 @@ class ModelShape:
         head_dim = config.get("head_dim")
         if head_dim is not None and int(head_dim) == hidden // heads:
             head_dim = None  # the common case: keep the shape canonical
+        moe = _moe_fields(config)
         return cls(
             hidden=hidden,
             layers=required("num_hidden_layers", "n_layer", "num_layers"),
@@ -150,7 +170,12 @@ class ModelShape:
             head_dim=int(head_dim) if head_dim is not None else None,
             name=name or default_name,
             gated_mlp=config.get("model_type") not in PLAIN_MLP_MODEL_TYPES,
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def resolved_head_dim(self) -> int:
@@ -176,9 +201,27 @@ class ModelShape:
         return 3 if self.gated_mlp else 2
 
     @property
+    def expert_params(self) -> int:
+        """One layer's stacked experts: E * 3*h*F_e (0 for a dense model)."""
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def router_params(self) -> int:
+        """One layer's router ``[E, h]`` (0 for a dense model)."""
+        return self.experts * self.hidden
+
+    @property
     def mlp_params(self) -> int:
-        """P_mlp = 3*h*I (W_gate, W_up, W_down), or 2*h*I for a plain MLP (W_up, W_down)."""
+        """P_mlp = 3*h*I (W_gate, W_up, W_down), or 2*h*I for a plain MLP (W_up, W_down); a
+        MoE layer's is its router and all its experts."""
+        if self.is_moe:
+            return self.router_params + self.expert_params
         return self.mlp_matrices * self.hidden * self.intermediate
+
+    @property
+    def qk_norm_params(self) -> int:
+        """Per-head-dim RMSNorm weights on Q and K (Qwen3-MoE), per layer."""
+        return 2 * self.resolved_head_dim if self.family == "qwen3_moe" else 0
 
     @property
     def layer_params(self) -> int:
@@ -191,7 +234,7 @@ class ModelShape:
 
     @property
     def norm_params(self) -> int:
-        return (2 * self.layers + 1) * self.hidden
+        return (2 * self.layers + 1) * self.hidden + self.layers * self.qk_norm_params
 
     @property
     def total_params(self) -> int:
@@ -210,7 +253,66 @@ PRESETS: dict[str, ModelShape] = {
         tied_embeddings=False,
         name="7b (paper reference)",
     ),
+    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1's config.json, = transformers' MixtralConfig
+    # defaults): 46.7B parameters, 45.1B of them experts.
+    "mixtral-8x7b": ModelShape(
+        hidden=4096,
+        layers=32,
+        heads=32,
+        kv_heads=8,
+        intermediate=14336,
+        vocab=32000,
+        tied_embeddings=False,
+        name="mixtral-8x7b",
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=14336,
+        family="mixtral",
+    ),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): 30.5B parameters. transformers'
+    # Qwen3MoeConfig defaults agree on h, heads, KV heads, E, k, F_e and the vocabulary but
+    # default to 24 layers and head_dim h / heads = 64; the published model has 48 layers and
+    # head_dim 128 (Q is 4096 wide on a 2048 residual). Every layer is MoE.
+    "qwen3-30b-a3b": ModelShape(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        intermediate=6144,
+        vocab=151936,
+        tied_embeddings=False,
+        head_dim=128,
+        name="qwen3-30b-a3b",
+        experts=128,
+        experts_per_token=8,
+        expert_intermediate=768,
+        family="qwen3_moe",
+    ),
 }
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a transformers config whose every layer is a top-k MoE block
+    (Mixtral's ``num_local_experts``, Qwen-MoE's ``num_experts``); {} for a dense one. A config
+    with dense layers among the MoE ones is refused: the planner models one kind of layer."""
+    experts = _first_key(config, "num_local_experts", "num_experts")
+    if not experts or config.get("num_experts_per_tok") is None:
+        return {}
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError(
+            "this MoE config mixes dense and MoE layers (mlp_only_layers / "
+            "decoder_sparse_step); the planner models every layer alike: give a config whose "
+            "every layer is MoE"
+        )
+    if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+        raise ValueError("this MoE config has shared experts, which the planner does not model yet")
+    width = _first_key(config, "moe_intermediate_size", "intermediate_size")
+    return {
+        "experts": int(experts),
+        "experts_per_token": int(config["num_experts_per_tok"]),
+        "expert_intermediate": int(width),
+        "family": config.get("model_type"),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +389,9 @@ class PlanInputs:
         """Head/column-split activation elements per token per layer."""
         if self.a_sh_per_h is not None:
             return self.a_sh_per_h * model.hidden
+        if model.is_moe:  # each token's k pairs: gate, up, act(gate), act*up of width F_e
+            experts = 4 * model.experts_per_token * model.expert_intermediate
+            return 2 * model.q_width + 2 * model.kv_width + experts
         # gated: gate, up, act(gate), act*up; plain: up, act(up)
         mlp = 4 if model.gated_mlp else 2
         return 2 * model.q_width + 2 * model.kv_width + mlp * model.intermediate
