@@ -345,6 +345,13 @@ def plan_heads(m, D, attention, region, sources, projections) -> HeadPlan:
             return plan
         except NotHeadLocal as e:
             first_error = first_error or e
+    if m.q_heads != m.kv_heads:
+        # [all q | all k | all v] in one projection (GPT-BigCode's multi-query ``c_attn``): a
+        # rank's heads are three row ranges, not one, and no grouping of the rows is head-local
+        raise NotHeadLocal(
+            f"a fused projection serves q and k/v with different head counts in a layout no "
+            f"grouping of its rows cuts per rank ({first_error})"
+        )
     raise NotHeadLocal(
         f"{first_error} (the fused q/k/v projection was also tried in every coarser grouping "
         f"of its rows that {D} ranks can share)"

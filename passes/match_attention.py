@@ -244,14 +244,27 @@ def _projection_rows(linear: fx.Node, target: fx.Node, params) -> Projection:
         and tuple(sv[:-2]) == tuple(shape(src)[:-1])
         and sv[-2] * sv[-1] == out_features
     ):
-        # the features split into [units, unit]; a slice or one-element list of units
+        # the features split into [units, unit]; a slice or one-element list of units, or an
+        # item of a split along the units (Falcon's multi-query ``split([heads, 1, 1], -2)``)
         items = [g for g in u.users if g in on_path]
+        sel = None
         if len(items) == 1 and is_getitem(items[0]):
             sel = _unit_selection(items[0].args[1], len(sv), sv[-2])
-            if sel is not None:
-                p = Projection(linear, w, b, sel[0] * sv[-1], sel[1] * sv[-1], items[0])
-                p.split_heads = True
-                return _oriented(p, lin, items[0])
+            out = items[0]
+        elif (
+            len(items) == 1
+            and op_name(items[0]) in ("split", "split_with_sizes")
+            and arg(items[0], 2, "dim", 0) % len(sv) == len(sv) - 2
+        ):
+            got = [g for g in items[0].users if is_getitem(g) and g in on_path]
+            if len(got) == 1:
+                sizes = _split_sizes(items[0], sv[-2])
+                i = got[0].args[1]
+                sel, out = (sum(sizes[:i]), sum(sizes[: i + 1])), got[0]
+        if sel is not None:
+            p = Projection(linear, w, b, sel[0] * sv[-1], sel[1] * sv[-1], out)
+            p.split_heads = True
+            return _oriented(p, lin, out)
     if is_getitem(u) and isinstance(u.args[1], tuple):
         idx = u.args[1]
         last = idx[-1] if idx and idx[-1] is not Ellipsis else None
@@ -464,12 +477,15 @@ def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> Atten
         # repetition stays in the region and runs per head group on that group's KV heads.
         kv_proj_heads = projected_kv_heads(kp, vp, hq, d, dv, world)
     # A projection shared by several of q/k/v (interleaved fused QKV) serves them all at once.
+    # One serving q and k/v with fewer K/V heads (Falcon's grouped ``query_key_value``: per KV
+    # group, its q heads then one k and one v head) is counted in q heads here;
+    # ``head_plan.plan_heads`` then cuts it at the coarser units its reshapes keep whole.
     by_key: dict[tuple, Projection] = {}
     for p, heads in ((qp, hq), (kp, kv_proj_heads), (vp, kv_proj_heads)):
         p = by_key.setdefault(p.key(), p)
-        if p.n_heads and p.n_heads != heads:
-            raise _NoMatch("a fused projection serves q and k/v with different head counts")
-        p.n_heads = heads
+        if p.n_heads and p.n_heads != heads and p.key() != qp.key():
+            raise _NoMatch("a fused projection serves k and v with different head counts")
+        p.n_heads = max(p.n_heads, heads)
         if p.rows % heads:
             raise _NoMatch(f"projection rows {p.rows} are not a multiple of {heads} heads")
     qp, kp, vp = by_key[qp.key()], by_key[kp.key()], by_key[vp.key()]
