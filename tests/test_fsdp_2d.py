@@ -108,6 +108,13 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     resumed = resume(root, world)
     out["resumed_err"] = max((resumed[n] - q).abs().max().item() for n, q in ref.named_parameters())
     torch._dynamo.reset()
+    # (dp, tsp) = (4, 1): the 4 ranks as plain data parallel (torch's DDP, no tspc), each on
+    # its quarter of the batch
+    as_dp = resume(root, world, plain_dp=True)
+    out["resumed_dp_err"] = max(
+        (as_dp[n] - q).abs().max().item() for n, q in ref.named_parameters()
+    )
+    torch._dynamo.reset()
     out["hsdp"] = hsdp_run(ref)
     return out
 
@@ -141,10 +148,12 @@ def hsdp_run(ref) -> dict:
     }
 
 
-def resume(root: str, world: int) -> dict[str, torch.Tensor]:
+def resume(root: str, world: int, plain_dp: bool = False) -> dict[str, torch.Tensor]:
     """Load the checkpoint saved before the third step into a model with other weights (plain
     full tensors, before the first call: on 4 ranks the first call shards them), run the third
-    step on the whole batch; the full parameters it leaves."""
+    step on the whole batch; the full parameters it leaves. ``plain_dp``: the ranks are
+    (dp, tsp) = (world, 1), plain data parallel without tspc (torch's DDP averages the
+    gradients), each rank on its part of the batch."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.tensor import DTensor
@@ -152,13 +161,20 @@ def resume(root: str, world: int) -> dict[str, torch.Tensor]:
     from samples.reference_model import build_reference_model
 
     model = build_reference_model(seed=1, num_layers=2)
-    run = torch.compile(model, backend="tsp") if world > 1 else model
+    run = torch.compile(model, backend="tsp") if world > 1 and not plain_dp else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=root)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     ids = global_batches(3)[2]
+    if plain_dp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(model)
+        part = ids.shape[0] // world
+        rank = torch.distributed.get_rank()
+        ids = ids[part * rank : part * (rank + 1)]
     lm_loss(run(ids), ids).backward()
     torch.nn.utils.clip_grad_norm_(run.parameters(), 1.0)
     opt.step()
@@ -185,6 +201,7 @@ def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
     assert max((one[n] - q).abs().max().item() for n, q in ref.named_parameters()) < 1e-6
     for r in results:
         assert r["resumed_err"] < 1e-6, r["resumed_err"]
+        assert r["resumed_dp_err"] < 1e-6, r["resumed_dp_err"]
         assert r["loss_err"] < 1e-5, r
         assert r["grad_err"] < 1e-4, r
         assert r["norm_err"] < 1e-5, r
