@@ -176,6 +176,7 @@ def test_recompute_training_equals_one_process_d2_and_real_peak_matches_fake():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # D = 4 repeats the D = 2 run's checks; D = 4 training stays in test_training
 def test_recompute_training_equals_one_process_d4():
     policies = ["none", "full"]  # "selective" at D = 2 (the run above); "none" for the counts
     _check(spawn(recompute_worker, 4, policies, False, timeout=600), policies)
