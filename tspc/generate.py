@@ -53,6 +53,7 @@ from tspc.generate_cache import (
 )
 from tspc.runtime.compat import compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm, merge_partials, partial_attention
+from tspc.runtime.decode_moe import is_stacked_experts, local_experts_hooks
 from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_local, tsp_param_of
 
 ATTN_NAME = "tspc_decode"
@@ -154,16 +155,22 @@ class _TPPlan:
 
     params: list[tuple[nn.Module, str, str]]  # (module, parameter name, module name)
     row_parallel: list[tuple[nn.Module, str]]  # Linear modules holding W's columns
+    experts: list[tuple[nn.Module, str]] = field(default_factory=list)  # runtime/decode_moe.py
 
 
 def _tp_plan(model: nn.Module) -> _TPPlan:
-    params, row_parallel = [], []
+    params, row_parallel, experts = [], [], []
     for fqn, mod in model.named_modules():
         for name, p in mod._parameters.items():
             tp = tsp_param_of(p) if p is not None else None
             if tp is None:
                 continue
             placement = tp.placement
+            if placement[:2] == ("shard", 0) and is_stacked_experts(mod, name, p):
+                params.append((mod, name, fqn))
+                if (mod, fqn) not in experts:
+                    experts.append((mod, fqn))
+                continue
             if placement[0] == "strided" or (
                 placement[0] == "shard" and not isinstance(mod, nn.Linear)
             ):
@@ -175,7 +182,7 @@ def _tp_plan(model: nn.Module) -> _TPPlan:
             params.append((mod, name, fqn))
             if placement[0] == "shard" and placement[1] == 1 and name == "weight":
                 row_parallel.append((mod, fqn))
-    return _TPPlan(params, row_parallel)
+    return _TPPlan(params, row_parallel, experts)
 
 
 @contextmanager
@@ -205,6 +212,8 @@ def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
                 return comm.all_reduce(out, tag)
 
             hooks.append(mod.register_forward_hook(reduce))
+        for mod, fqn in plan.experts:
+            hooks += local_experts_hooks(mod, comm, fqn)
         yield
     finally:
         for h in hooks:
