@@ -6,7 +6,10 @@ families, against one process on gloo: ``tests/test_hf_models.py``.
 
 Forms: GPT-2's Conv1D fused ``c_attn`` (``addmm`` with an ``[h, 3h]`` weight, split after a
 view, biases); Falcon's ``x @ W.T`` with q/k/v grouped per KV head in one fused weight and the
-K/V heads picked by a one-element list and ``broadcast_to``; RoPE by rotate-every-two
+K/V heads picked by a one-element list and ``broadcast_to``; the same grouped weight cut by
+``split([per, 1, 1], -2)`` (torchtitan's ``wqkv``, transformers 5's Falcon) and the multi-query
+``[all q | k | v]`` rows cut by ``split([heads, 1, 1], -2)`` (held whole: no Shard says a
+rank's rows); RoPE by rotate-every-two
 (``stack`` + ``flatten``); OLMo-2's q/k RMSNorm over all heads' features.
 """
 
@@ -77,8 +80,10 @@ class Attention(nn.Module):
         self.form = form
         if form == "conv1d":
             self.c_attn, self.c_proj = Conv1D(H, 3 * H), Conv1D(H, H)
-        elif form == "falcon_grouped":  # per KV group: its q heads, then one k and one v head
+        elif form in ("falcon_grouped", "grouped_split"):  # per KV group: q heads, one k, one v
             self.qkv, self.dense = XWT(H, (HEADS + 2 * KV) * D_HEAD), XWT(H, H)
+        elif form == "mq_split":  # all q heads, then the one k and the one v head
+            self.qkv, self.dense = XWT(H, (HEADS + 2) * D_HEAD), XWT(H, H)
         else:
             self.q = nn.Linear(H, HEADS * D_HEAD, bias=False)
             self.k = nn.Linear(H, KV * D_HEAD, bias=False)
@@ -102,6 +107,17 @@ class Attention(nn.Module):
             v = torch.broadcast_to(qkv[:, :, :, [-1]], q.shape)
             q, k, v = (t.flatten(2, 3).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.dense(out.transpose(1, 2).reshape(b, s, H))
+        if self.form == "grouped_split":  # torchtitan's fused wqkv, transformers 5's Falcon
+            per = HEADS // KV
+            q, k, v = self.qkv(x).view(b, s, KV, per + 2, D_HEAD).split([per, 1, 1], dim=-2)
+            q, k, v = (t.reshape(b, s, -1, D_HEAD).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.dense(out.transpose(1, 2).reshape(b, s, H))
+        if self.form == "mq_split":  # transformers 5's multi-query Falcon
+            q, k, v = self.qkv(x).view(b, s, HEADS + 2, D_HEAD).split([HEADS, 1, 1], dim=-2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             return self.dense(out.transpose(1, 2).reshape(b, s, H))
         q, k, v = self.q(x), self.k(x), self.v(x)
         if self.form == "cross_head_norm":
@@ -140,6 +156,10 @@ FORMS = {
         "c_proj.weight": ("shard", 0),  # heads' features are its rows
     },
     "falcon_grouped": {"qkv.weight": ("shard", 0), "dense.weight": ("shard", 1)},
+    "grouped_split": {"qkv.weight": ("shard", 0), "dense.weight": ("shard", 1)},
+    # a rank's rows are its q heads' and the shared k and v rows: no Shard placement says that,
+    # so the fused weight is held whole (the report's notes say so); the output is sharded
+    "mq_split": {"qkv.weight": ("replicate",), "dense.weight": ("shard", 1)},
     "rotate_every_two": {"q.weight": ("shard", 0), "k.weight": ("shard", 0)},
     "cross_head_norm": {"q.weight": ("shard", 0), "o.weight": ("shard", 1)},
 }
@@ -181,7 +201,8 @@ def test_every_form_is_matched_with_its_schedule_and_placements(world, fake_grou
         for i in (0, 1):
             tag = f"layers.{i}"
             assert counts[("broadcast_start", tag)] == sweeps * world, (form, counts)
-            assert counts[("all_gather_start", tag)] == 2 * world, (form, counts)
+            kv_groups = 1 if form == "mq_split" else world  # one K/V head: held whole, one group
+            assert counts[("all_gather_start", tag)] == 2 * kv_groups, (form, counts)
         if sweeps == 2:
             assert any("two sweeps" in note for note in cg.report.notes), cg.report.notes
         for i in (0, 1):
