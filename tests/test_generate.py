@@ -13,6 +13,7 @@ One spawn per world size runs every case (compiles dominate, so cases share proc
   ``cm = torch.compile(model, backend="tsp"); cm.generate(...)``, routed by
   ``tspc.enable_generate(cm)`` (D = 2) or by a first compiled call (D = 4);
 * (D = 2) Phi-3's fused ``qkv_proj`` / ``gate_up_proj``: a clear ``GenerateUnsupportedError``, never a wrong token.
+* (D = 2) Mistral with a sliding window (4) narrower than the prompt (11): tokens equal one process.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ def _cases(rank: int, world: int) -> dict:
         phi = _build("phi3")
         phi.forward = torch.compile(phi.forward, backend="tsp")
         res["phi3"] = error_message(lambda: _generate(phi), tspc.GenerateUnsupportedError)
+        # a sliding window narrower than the prompt: the model's own cache would keep only the
+        # window's last tokens; decode keeps every token and the window mask hides the old ones
+        torch.compiler.reset()
+        ref = _build_family("mistral", {"sliding_window": 4})
+        cm = torch.compile(_build_family("mistral", {"sliding_window": 4}), backend="tsp")
+        tspc.enable_generate(cm)
+        got, want = _generate(cm), _generate(ref)
+        res["mistral_window"] = (torch.equal(got.sequences, want.sequences), _logit_err(got, want))
     return res
 
 
@@ -156,6 +165,10 @@ def test_generate_equals_one_process(world):
         assert res["cache_local"] == counts[rank]
         if world == 2:
             assert "fused projections" in res["phi3"], res["phi3"]
+            same, err = res["mistral_window"]
+            assert same and err < 1e-5, (
+                f"rank {rank} mistral sliding window: {res['mistral_window']}"
+            )
 
 
 # Families beyond Llama/Qwen2 (extended tier: about two minutes): each through the idiom,

@@ -258,6 +258,20 @@ def _tsp_group_of(model: nn.Module) -> tuple[str, int] | None:
 # --------------------------------------------------------------------------- the routed forward
 
 
+def _full_cache(config) -> Any:
+    """The prompt's cache: None (the model makes its own) unless the model has sliding-window
+    layers, whose own cache would keep only the window's last tokens of the prompt. Decode
+    keeps every token on its owner (``TSPCache``) and the model's sliding-window mask hides
+    the ones outside the window, so the prompt gets a cache of full layers."""
+    if getattr(config, "sliding_window", None) is None and "sliding_attention" not in (
+        getattr(config, "layer_types", None) or ()
+    ):
+        return None
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
 class GenerateForward:
     """``model.forward`` while tspc routes it: prompts run the TSP graph (K/V left sharded),
     decode steps run tensor-parallel on the shards; any other call runs the compiled forward."""
@@ -308,7 +322,7 @@ class GenerateForward:
     def _prefill(self, args, kwargs, cache_key):
         ids = kwargs.get("input_ids", args[0] if args else None)
         keep = kwargs.get("logits_to_keep")
-        kwargs = {**kwargs, cache_key: None, "use_cache": True}
+        kwargs = {**kwargs, cache_key: _full_cache(self.model.config), "use_cache": True}
         sharded = isinstance(keep, int) and keep >= 1  # else the logits of every token: gathered
         with _stand_ins(self.model):
             out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
