@@ -257,3 +257,123 @@ def test_prime_device_count_has_no_tp_sp_factorization(capsys) -> None:
     out = capsys.readouterr().out
     assert "No TP+SP factorization T x Σ = 7" in out
     assert "not divisible by D = 7" in out  # 32 heads over 7 ranks
+
+
+# --------------------------------------------------------------------------------------------
+# MoE presets (issue 27): checked against transformers' own models, built on the meta device
+# --------------------------------------------------------------------------------------------
+
+
+def _meta_model(family: str, **overrides):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **overrides)
+    with torch.device("meta"):
+        return cfg, AutoModelForCausalLM.from_config(cfg)
+
+
+# the published configs: Mixtral-8x7B = MixtralConfig()'s defaults; Qwen3-30B-A3B = the
+# Qwen3MoeConfig defaults but 48 layers and head_dim 128 (its config.json)
+MOE_PRESETS = {
+    "mixtral-8x7b": ("mixtral", {}),
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        {"num_hidden_layers": 48, "head_dim": 128, "norm_topk_prob": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(MOE_PRESETS))
+def test_moe_preset_parameters_equal_transformers(preset: str) -> None:
+    family, overrides = MOE_PRESETS[preset]
+    cfg, model = _meta_model(family, **overrides)
+    shape = PRESETS[preset]
+    params = dict(model.named_parameters())
+    assert shape.total_params == sum(p.numel() for p in params.values())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    assert shape.layers * shape.expert_params == experts
+    # the config.json route reads the same shape
+    read = ModelShape.from_hf_config(cfg.to_dict(), name=preset)
+    assert read == shape
+
+
+@pytest.mark.parametrize(("preset", "devices"), [("mixtral-8x7b", 8), ("qwen3-30b-a3b", 8)])
+def test_moe_tsp_model_state_is_the_per_rank_share_of_each_parameter(preset, devices) -> None:
+    """Per rank under TSP: the stacked experts' torch.chunk share, the attention projections
+    1/D, everything else (router, norms, embeddings) whole — counted from the meta model's
+    parameters by name, against the planner's model-state term."""
+    import torch
+
+    family, overrides = MOE_PRESETS[preset]
+    _, model = _meta_model(family, **overrides)
+    per_rank = 0.0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            per_rank += torch.chunk(p, devices, dim=0)[0].numel()
+        elif re.search(r"self_attn\.[qkvo]_proj\.weight$", name):
+            per_rank += p.numel() / devices
+        else:
+            per_rank += p.numel()
+    inputs = PlanInputs(devices=devices, seq_len=32 * 1024)
+    tsp = make_plan(PRESETS[preset], inputs).scheme(f"TSP(D={devices})")
+    assert tsp.memory.model_state == pytest.approx(inputs.kappa * per_rank, rel=1e-12)
+
+
+def test_moe_tsp_all_to_all_bytes_equal_the_runtime_formula_at_balanced_routing() -> None:
+    from tspc.runtime.moe import moe_bytes
+    from tspc.tools.plan_moe import tsp_all_to_all_bytes
+
+    shape = PRESETS["mixtral-8x7b"]
+    d, seq = 8, 32 * 1024
+    inputs = PlanInputs(devices=d, seq_len=seq)
+    pairs = shape.experts_per_token * seq // d  # each rank's (token, choice) pairs
+    balanced = [[pairs // d] * d for _ in range(d)]
+    kwargs = dict(elem=2, hidden=shape.hidden, experts=shape.experts)
+    fwd = moe_bytes(balanced, 0, backward=False, **kwargs)
+    both = moe_bytes(balanced, 0, backward=True, **kwargs)
+    assert tsp_all_to_all_bytes(shape, inputs, backward=False) == fwd
+    assert tsp_all_to_all_bytes(shape, inputs, backward=True) == both - fwd
+
+
+def test_moe_plan_has_tp_ep_and_tsp_experts_split_by_expert(capsys) -> None:
+    assert main(["--preset", "mixtral-8x7b", "-D", "8", "--seq", "32K"]) == 0
+    out = capsys.readouterr().out
+    assert "TP+EP(T=8)" in out and "MoE: 8 experts top-2" in out
+    plan = make_plan(PRESETS["mixtral-8x7b"], PlanInputs(devices=8, seq_len=32 * 1024))
+    tsp, tp_ep = plan.scheme("TSP(D=8)"), plan.scheme("TP+EP(T=8)")
+    tp_sp = plan.scheme("TP+SP(T=4,Σ=2)")
+    # TSP holds 1/8 of the experts; TP+SP(T=4) holds 1/4 of each: about twice TSP's state
+    assert tp_sp.memory.model_state / tsp.memory.model_state == pytest.approx(1.92, abs=0.05)
+    # TSP and TP+EP hold the same experts; TP+EP splits the embeddings, TSP does not
+    assert tsp.memory.model_state > tp_ep.memory.model_state
+    # TSP's ring streams the attention only: the experts never move
+    assert tsp.comm.forward < plan.scheme("TP(T=8)").comm.forward
+
+
+def test_moe_uneven_and_empty_expert_ranks_are_noted(capsys) -> None:
+    shape = ModelShape(
+        hidden=64, layers=2, heads=4, kv_heads=4, intermediate=64, vocab=128,
+        experts=6, experts_per_token=2, expert_intermediate=32, family="mixtral",
+    )  # fmt: skip
+    notes = make_plan(shape, PlanInputs(devices=4, seq_len=64)).scheme("TSP(D=4)").notes
+    assert any("a rank would own none" in n for n in notes)
+    notes = make_plan(shape, PlanInputs(devices=4, seq_len=64)).scheme("TP+EP(T=4)").notes
+    assert any("own none" in n for n in notes)
+    five = ModelShape(**{**shape.__dict__, "experts": 5})
+    notes = make_plan(five, PlanInputs(devices=2, seq_len=64)).scheme("TSP(D=2)").notes
+    assert any("not divisible by 2: 3 on the first ranks" in n for n in notes)
+
+
+def test_moe_config_with_dense_layers_is_refused_with_the_reason() -> None:
+    config = {
+        "model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 128, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0],
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="mixes dense and MoE layers"):
+        ModelShape.from_hf_config(config)
+    config["mlp_only_layers"] = []
+    config["shared_expert_intermediate_size"] = 64
+    with pytest.raises(ValueError, match="shared experts"):
+        ModelShape.from_hf_config(config)

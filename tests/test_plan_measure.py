@@ -177,3 +177,34 @@ def test_plot(tmp_path, capsys):
         return
     assert main(argv) == 0
     assert target.stat().st_size > 0
+
+
+def test_measure_runs_a_moe_model_expert_parallel_and_counts_each_ranks_experts():
+    """A MoE shape (issue 27): the transformers model of its family is what runs, its MoE
+    blocks expert-parallel; the weight shards live at the peak are each rank's share of the
+    meta-device model's parameters (attention projections 1/D, its ``torch.chunk`` of the
+    stacked experts), counted by name; the peak within the documented factor of the planner."""
+    from tspc.tools.fake_moe import hf_moe_config
+
+    moe = ModelShape(
+        hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=128, name="tiny-moe",
+        experts=4, experts_per_token=2, expert_intermediate=32, family="mixtral",
+    )  # fmt: skip
+    meas = measure(moe, devices=2, seq_len=128, dtype="bf16", mode="train")
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(hf_moe_config(moe))
+    for rank, r in enumerate(meas.runs[moe.layers]):
+        assert r.level == "tsp" and r.matched_moe == moe.layers, r
+        share = 0
+        for name, p in ref.named_parameters():
+            if ".experts." in name:
+                share += torch.chunk(p, 2, dim=0)[rank].numel()
+            elif ".self_attn." in name:
+                share += p.numel() // 2
+        assert r.at_peak["shards"] == 2 * share, (r.at_peak, 2 * share)  # bf16
+        assert r.at_peak["full_weights"] == 0
+    analytic = analytic_as_measured(moe, PlanInputs(devices=2, seq_len=128, dtype="bf16"), "train")
+    for i in range(2):
+        assert analytic.total / FACTOR <= meas.peak(i) <= analytic.total * FACTOR

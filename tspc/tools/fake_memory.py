@@ -90,8 +90,12 @@ class FakeMemoryTracker(TorchDispatchMode):
     state). After exit: ``peak_bytes``, ``peak_op`` and :meth:`live_at_peak`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, transient: Any = None) -> None:
+        """``transient(func, args)``, when given, names buffers an op holds *inside* that its
+        fake implementation does not allocate (``[(shape, dtype), ...]``): they are counted as
+        live during that op only (``tools/fake_moe.py``: the routed rows of the MoE op)."""
         super().__init__()
+        self._transient = transient
         self.blocks: list[_Block] = []
         # storage -> [index of its current block]; the list is shared with the storage's
         # finalizer, so a resize (new block) and a later death close the right block.
@@ -196,6 +200,11 @@ class FakeMemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 for st in _storages(t):
                     self._see(st, kind, born, name)
+        if self._transient is not None:
+            for size, dtype in self._transient(func, args):
+                inner = torch.empty(size, dtype=dtype)  # fake under the step's FakeTensorMode
+                self._see(inner.untyped_storage(), "comm", born, f"{name} (inside)")
+                del inner  # its finalizer closes the block at this op
         return out
 
     # -- results ---------------------------------------------------------------------------

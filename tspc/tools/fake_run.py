@@ -40,8 +40,14 @@ class LossModel(nn.Module):
 
 
 def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
-    """The reference model's config for a planner ``ModelShape`` (optionally fewer layers)."""
+    """The reference model's config for a planner ``ModelShape`` (optionally fewer layers); for
+    a MoE shape the transformers config of its family (``tools/fake_moe.py``)."""
     from tspc.samples.reference_model import RefConfig
+
+    if getattr(shape, "is_moe", False):
+        from tspc.tools.fake_moe import hf_moe_config
+
+        return hf_moe_config(shape, layers)
 
     if shape.head_dim is not None and shape.head_dim != shape.hidden // shape.heads:
         raise ValueError(
@@ -58,6 +64,18 @@ def ref_config_from_shape(shape: Any, layers: int | None = None) -> Any:
         tie_embeddings=shape.tied_embeddings,
         mask="causal",
     )
+
+
+def model_of_config(config: Any) -> nn.Module:
+    """The model a measurement runs for ``config``: the reference model of a ``RefConfig``, the
+    transformers causal LM (returning logits) of a transformers MoE config."""
+    from tspc.tools.fake_moe import build_moe_model, is_hf_config
+
+    if is_hf_config(config):
+        return build_moe_model(config)
+    from tspc.samples.reference_model import RefModel
+
+    return RefModel(config)
 
 
 def reference_model(shape: Any, layers: int | None = None, seed: int = 0) -> nn.Module:

@@ -116,6 +116,7 @@ class RankMeasurement:
     compile_seconds: float
     step_seconds: float
     ops: int
+    matched_moe: int = 0  # of matched_mlp, the MoE blocks run expert-parallel
     # what is live at the peak, summed by (category, the op that made it): the largest
     largest_at_peak: list[tuple[int, str, str]] = field(default_factory=list)
 
@@ -141,7 +142,8 @@ def measure_rank(
     """
     import tspc
     from tspc.runtime.compat import FakeTensorMode
-    from tspc.samples.reference_model import RefModel
+    from tspc.tools.fake_moe import routed_buffers
+    from tspc.tools.fake_run import model_of_config
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -154,7 +156,7 @@ def measure_rank(
         FakeTensorMode(),
     ):
         t0 = time.perf_counter()
-        model = LossModel(RefModel(config))
+        model = LossModel(model_of_config(config))
         ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         targets = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
         compiled = torch.compile(
@@ -178,7 +180,7 @@ def measure_rank(
         # the original full weights are released (storage-less stand-ins): nothing to count
         full: list[torch.Tensor] = []
         other = [_local(p) for p in model.parameters() if not is_matched_param(p)]
-        tracker = FakeMemoryTracker()
+        tracker = FakeMemoryTracker(transient=routed_buffers)
         tracker.track([*other, *model.buffers(), *shards, ids, targets])
         if optimizer is not None:
             tracker.track(
@@ -239,7 +241,7 @@ def measure_rank(
     return RankMeasurement(
         rank=rank,
         world=world,
-        layers=config.num_layers,
+        layers=getattr(config, "num_layers", None) or config.num_hidden_layers,
         mode=mode,
         peak=peak,
         at_peak=at_peak,
@@ -248,6 +250,11 @@ def measure_rank(
             1 for e in (report.matched if report else []) if e.kind == "attention"
         ),
         matched_mlp=sum(1 for e in (report.matched if report else []) if e.kind == "mlp"),
+        matched_moe=sum(
+            1
+            for e in (report.matched if report else [])
+            if e.details.get("form") == "moe (expert parallel)"
+        ),
         skipped=[f"{e.kind} {e.module}: {e.reason}" for e in (report.skipped if report else [])],
         gathers=[f"{g['value']} for {g['op']}" for g in (report.gathers if report else [])],
         compile_seconds=t1 - t0,

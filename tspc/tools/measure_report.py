@@ -53,11 +53,20 @@ def format_measurement(meas: Any, shape: Any, inputs: Any, seconds: float) -> st
         f"the real rewritten graph ran at level '{first.level}': {first.matched_attention} "
         f"attention and {first.matched_mlp} MLP layers matched in the {first.layers}-layer trace"
     )
+    if getattr(shape, "is_moe", False):
+        text += f", of which {first.matched_moe} MoE blocks expert-parallel"
     if first.skipped:
         text += f"; skipped: {'; '.join(first.skipped)}"
     if first.gathers:
         text += f"; sequence gathers: {', '.join(first.gathers)}"
     lines += _wrap(text)
+    if getattr(shape, "is_moe", False):
+        from tspc.tools.fake_moe import ROUTING_ASSUMPTION
+
+        lines += _wrap(
+            f"the transformers '{shape.family}' model of this shape; assumed: "
+            f"{ROUTING_ASSUMPTION} (counted as 'comm' for the op's duration)"
+        )
     if meas.extrapolated:
         a, b = meas.measured_layers
         lines += _wrap(
