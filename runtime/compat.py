@@ -315,6 +315,28 @@ def compiled_module_original(module):
     return module._orig_mod
 
 
+def compile_options(compiled) -> dict | None:
+    """The ``options`` given to ``torch.compile(..., backend=..., options=...)`` that made
+    ``compiled`` (an ``OptimizedModule`` or a compiled function), None if there were none or
+    they cannot be found. Dynamo keeps them on the backend wrapper behind its frame callback
+    (``_torchdynamo_orig_backend`` links, ending at ``torch._TorchCompileWrapper.kwargs``)."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None:  # a compiled function: its context is a closure variable of the wrapper
+        closure = getattr(compiled, "__closure__", None) or ()
+        names = getattr(getattr(compiled, "__code__", None), "co_freevars", ())
+        ctx = dict(zip(names, (c.cell_contents for c in closure))).get("self")
+    backend = getattr(ctx, "callback", None)
+    for _ in range(8):  # a short chain of wrappers
+        if backend is None:
+            return None
+        kwargs = getattr(backend, "kwargs", None)
+        if isinstance(kwargs, dict) and "options" in kwargs:
+            options = kwargs["options"]
+            return dict(options) if isinstance(options, dict) else None
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+    return None
+
+
 def outermost_module_call():
     """The outermost ``nn.Module`` whose ``__call__`` runs eagerly on the current Python stack
     (None if none): frames are matched against the code of ``nn.Module``'s private call

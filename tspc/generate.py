@@ -44,14 +44,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tspc.decode_layout import (
+    GatherOutput,
+    feature_dims,
+    gather_output_map,
+    is_conv1d,
+    own_input_index,
+)
 from tspc.generate_cache import (
     DECODE,
     GenerateUnsupportedError,
     cache_from_prefill,
     current_step,
+    full_prefill_cache,
+    layer_windows,
     tsp_cache_type,
 )
-from tspc.runtime.compat import compiled_module_original, optimized_module_class
+from tspc.runtime.compat import compile_options, compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm, merge_partials, partial_attention
 from tspc.runtime.decode_moe import is_stacked_experts, local_experts_hooks
 from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_local, tsp_param_of
@@ -67,6 +76,7 @@ class _Step:
     comm: DecodeComm
     cache: Any
     tag_of_layer: dict[int, str] = field(default_factory=dict)  # layer index -> counter tag
+    touched: bool = False  # the cache saw this step (a failure after that cannot be retried)
 
     def kv_sharded(self, k: torch.Tensor, kv_heads: int) -> bool:
         """Whether the new token's ``k`` holds this rank's group of the ``kv_heads`` heads the
@@ -154,13 +164,19 @@ class _TPPlan:
     every decoded token would cost more than the token)."""
 
     params: list[tuple[nn.Module, str, str]]  # (module, parameter name, module name)
-    row_parallel: list[tuple[nn.Module, str]]  # Linear modules holding W's columns
+    # row-parallel projections: (module, name, this rank's input features, all input features)
+    row_parallel: list[tuple[nn.Module, str, torch.Tensor, int]]
+    # column-parallel projections: (module, name, the map gathering its output, whether it is
+    # always gathered: a fused weight held strided, or a Conv1D; ``decode_layout.py``)
+    column_parallel: list[tuple[nn.Module, str, GatherOutput, bool]]
+    conv1d: list[nn.Module] = field(default_factory=list)  # their ``nf`` is set to the local
     experts: list[tuple[nn.Module, str]] = field(default_factory=list)  # runtime/decode_moe.py
 
 
 def _tp_plan(model: nn.Module) -> _TPPlan:
-    params, row_parallel, experts = [], [], []
+    params, row_parallel, column_parallel, conv1d, experts = [], [], [], [], []
     for fqn, mod in model.named_modules():
+        dims = feature_dims(mod)
         for name, p in mod._parameters.items():
             tp = tsp_param_of(p) if p is not None else None
             if tp is None:
@@ -171,28 +187,37 @@ def _tp_plan(model: nn.Module) -> _TPPlan:
                 if (mod, fqn) not in experts:
                     experts.append((mod, fqn))
                 continue
-            if placement[0] == "strided" or (
-                placement[0] == "shard" and not isinstance(mod, nn.Linear)
-            ):
+            if placement[0] in ("shard", "strided") and dims is None:
                 raise GenerateUnsupportedError(
-                    f"tspc: decoding needs separate nn.Linear projections sharded by whole "
-                    f"head groups / F-slices; {fqn}.{name} ({type(mod).__name__}) is held as "
-                    f"{placement[0]}: fused projections and Conv1D are not supported yet"
+                    f"tspc: decoding needs the sharded weights in projections (nn.Linear, "
+                    f"Conv1D); {fqn}.{name} ({type(mod).__name__}) is held as {placement[0]}"
                 )
             params.append((mod, name, fqn))
-            if placement[0] == "shard" and placement[1] == 1 and name == "weight":
-                row_parallel.append((mod, fqn))
-    return _TPPlan(params, row_parallel, experts)
+            if name != "weight" or placement[0] not in ("shard", "strided"):
+                continue
+            layout, dim = tp.entry.layout, placement[1]
+            if dim == dims[1]:
+                features = tp.entry.full_shape[dim]
+                row_parallel.append((mod, fqn, own_input_index(layout, tp.entry.rank), features))
+            else:
+                always = placement[0] == "strided" or is_conv1d(mod)
+                gather = gather_output_map(layout, tp.entry.full_shape[dim])
+                column_parallel.append((mod, fqn, gather, always))
+            if is_conv1d(mod):
+                conv1d.append(mod)
+    return _TPPlan(params, row_parallel, column_parallel, conv1d, experts)
 
 
 @contextmanager
-def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
+def _tensor_parallel(plan: _TPPlan, comm: DecodeComm, gather_all: bool) -> Iterator[None]:
     """Every module holds plain tensors of what this rank has: a sharded weight's local slices
-    (``Shard(0)``: its rows, the module computes its head group / F-slice; ``Shard(1)``: its
-    columns, the module's output is a partial sum, all-reduced by a hook; the bias added once),
-    a replicated parameter's full value. Restored on exit."""
+    (column-parallel: its rows, the module computes its head group / F-slice, gathered to every
+    feature where ``decode_layout.py`` says so, or every one with ``gather_all``;
+    row-parallel: its columns, the module's output is a partial sum, all-reduced by a hook; the
+    bias added once), a replicated parameter's full value. Restored on exit."""
     saved: list[tuple[nn.Module, str, Any]] = []
     hooks = []
+    nf = [(mod, mod.nf) for mod in plan.conv1d]
     try:
         for mod, name, fqn in plan.params:
             p = mod._parameters[name]
@@ -203,21 +228,42 @@ def _tensor_parallel(plan: _TPPlan, comm: DecodeComm) -> Iterator[None]:
                 local = tsp_local(tp.dparam)  # gathered over dp with data_parallel='fsdp'
             saved.append((mod, name, p))
             mod._parameters[name] = local
-        for mod, fqn in plan.row_parallel:
+        for mod in plan.conv1d:  # Conv1D shapes its output by ``nf``: this rank's features
+            mod.nf = mod._parameters["weight"].shape[1]
+        for mod, fqn, own, features in plan.row_parallel:
             if mod._parameters.get("bias") is not None and comm.rank != 0:
                 saved.append((mod, "bias", mod._parameters["bias"]))
-                mod._parameters["bias"] = None  # the sum of the partials adds it once
+                # the sum of the partials adds it once (Conv1D's addmm needs a tensor: zeros)
+                bias = mod._parameters["bias"]
+                mod._parameters["bias"] = torch.zeros_like(bias) if is_conv1d(mod) else None
+
+            def narrow(m, args, own=own, features=features):
+                x = args[0]
+                if x.shape[-1] == features and own.numel() != features:  # a gathered input
+                    return (x.index_select(-1, own.to(x.device)), *args[1:])
+                return None
 
             def reduce(m, args, out, tag=f"decode:{fqn}"):
                 return comm.all_reduce(out, tag)
 
+            hooks.append(mod.register_forward_pre_hook(narrow))
             hooks.append(mod.register_forward_hook(reduce))
         for mod, fqn in plan.experts:
             hooks += local_experts_hooks(mod, comm, fqn)
+        for mod, fqn, gather, always in plan.column_parallel:
+            if not (always or gather_all) or comm.world == 1:
+                continue
+
+            def gather_out(m, args, out, gather=gather, tag=f"decode:{fqn}"):
+                return gather(out, comm.all_gather(gather.pad(out), tag))
+
+            hooks.append(mod.register_forward_hook(gather_out))
         yield
     finally:
         for h in hooks:
             h.remove()
+        for mod, value in nf:
+            mod.nf = value
         for mod, name, p in reversed(saved):
             mod._parameters[name] = p
 
@@ -258,20 +304,6 @@ def _tsp_group_of(model: nn.Module) -> tuple[str, int] | None:
 # --------------------------------------------------------------------------- the routed forward
 
 
-def _full_cache(config) -> Any:
-    """The prompt's cache: None (the model makes its own) unless the model has sliding-window
-    layers, whose own cache would keep only the window's last tokens of the prompt. Decode
-    keeps every token on its owner (``TSPCache``) and the model's sliding-window mask hides
-    the ones outside the window, so the prompt gets a cache of full layers."""
-    if getattr(config, "sliding_window", None) is None and "sliding_attention" not in (
-        getattr(config, "layer_types", None) or ()
-    ):
-        return None
-    from transformers import DynamicCache
-
-    return DynamicCache()
-
-
 class GenerateForward:
     """``model.forward`` while tspc routes it: prompts run the TSP graph (K/V left sharded),
     decode steps run tensor-parallel on the shards; any other call runs the compiled forward."""
@@ -284,6 +316,7 @@ class GenerateForward:
             self.eager, backend="tsp", options={**self.options, "outputs": "gathered"}
         )
         self._setup = None  # (DecodeComm, _TPPlan, counter tags), at the first decode step
+        self._gather_all = False  # every column-parallel output gathered (decode_layout.py)
         self.prefill = torch.compile(
             self.eager, backend="tsp", options={**self.options, "outputs": "sharded"}
         )
@@ -293,6 +326,11 @@ class GenerateForward:
     @property
     def model(self) -> nn.Module:
         return self._model()
+
+    @functools.cached_property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: full attention)."""
+        return layer_windows(self.model.config)
 
     def __call__(self, *args, **kwargs):
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
@@ -310,7 +348,7 @@ class GenerateForward:
             group, world = grp if grp is not None else ("", 1)  # D = 1: nothing sharded
             rank = dist.get_rank(_pg(group)) if world > 1 else 0
             kwargs[cache_key] = cache_from_prefill(
-                cache, cache.get_seq_length(), False, group, world, rank
+                cache, cache.get_seq_length(), False, group, world, rank, self.windows
             )
             return self._decode(args, kwargs)
         if not getattr(DECODE, "generating", 0) or not use_cache or ids is None:
@@ -322,7 +360,7 @@ class GenerateForward:
     def _prefill(self, args, kwargs, cache_key):
         ids = kwargs.get("input_ids", args[0] if args else None)
         keep = kwargs.get("logits_to_keep")
-        kwargs = {**kwargs, cache_key: _full_cache(self.model.config), "use_cache": True}
+        kwargs = {**kwargs, cache_key: full_prefill_cache(self.windows), "use_cache": True}
         sharded = isinstance(keep, int) and keep >= 1  # else the logits of every token: gathered
         with _stand_ins(self.model):
             out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
@@ -330,7 +368,9 @@ class GenerateForward:
         group, world = grp if grp is not None else ("", 1)
         rank = dist.get_rank(_pg(group)) if world > 1 else 0
         name = "cache" if "cache" in out else "past_key_values"
-        out[name] = cache_from_prefill(out[name], ids.shape[1], sharded, group, world, rank)
+        out[name] = cache_from_prefill(
+            out[name], ids.shape[1], sharded, group, world, rank, self.windows
+        )
         return out
 
     def _decode(self, args, kwargs):
@@ -346,35 +386,52 @@ class GenerateForward:
                 {i: f"decode:{n}" for i, n in names.items()},
             )
         comm, plan, tags = self._setup
-        step = _Step(
-            comm,
-            cache,
-            tag_of_layer=tags,
-        )
         config = model.config
         before = config._attn_implementation
-        DECODE.step = step
         try:
             config._attn_implementation = ATTN_NAME
-            with torch.no_grad(), _tensor_parallel(plan, comm):
+            try:
+                out = self._decode_step(args, kwargs, cache, self._gather_all)
+            except RuntimeError as e:
+                if isinstance(e, (GenerateUnsupportedError, dist.DistError)):
+                    raise  # (a collective's failure: a peer's error, not this model's code)
+                if self._gather_all or DECODE.failed_step.touched:
+                    raise self._unsupported(e) from e
+                # the model's code failed on a slice before the cache saw the step (every rank
+                # alike: the same code on the same shapes): decode with every projection's
+                # output gathered, as one process computes it (``decode_layout.py``)
+                self._gather_all = True
                 try:
-                    out = self.eager(*args, **kwargs)
-                except RuntimeError as e:
-                    if isinstance(e, GenerateUnsupportedError):
+                    out = self._decode_step(args, kwargs, cache, True)
+                except RuntimeError as e2:
+                    if isinstance(e2, GenerateUnsupportedError):
                         raise
-                    raise GenerateUnsupportedError(
-                        f"tspc: {type(model).__name__}'s decode step failed with each projection "
-                        "applied on this rank's shards (head group / F-slice). Its code needs "
-                        "something across all heads that tensor-parallel decoding does not "
-                        "provide (a norm over every head's features, as OLMo-2's q/k norms, or "
-                        f"a fixed head count in a reshape): {e}"
-                    ) from e
+                    raise self._unsupported(e2) from e2
         finally:
             config._attn_implementation = before
-            DECODE.step = None
         name = "cache" if "cache" in out else "past_key_values"
         out[name] = cache
         return out
+
+    def _decode_step(self, args, kwargs, cache, gather_all: bool):
+        comm, plan, tags = self._setup
+        step = _Step(comm, cache, tag_of_layer=tags)
+        DECODE.step = step
+        try:
+            with torch.no_grad(), _tensor_parallel(plan, comm, gather_all):
+                return self.eager(*args, **kwargs)
+        except RuntimeError:
+            DECODE.failed_step = step
+            raise
+        finally:
+            DECODE.step = None
+
+    def _unsupported(self, e: RuntimeError) -> GenerateUnsupportedError:
+        return GenerateUnsupportedError(
+            f"tspc: {type(self.model).__name__}'s decode step failed with each projection "
+            "applied on this rank's shards, its outputs gathered to every feature: "
+            f"its code needs something tensor-parallel decoding does not provide: {e}"
+        )
 
 
 def _pg(group: str):
@@ -431,20 +488,34 @@ def route(model: nn.Module, compiled: Any | None, options: dict | None) -> None:
 def enable_generate(model: Any, options: dict | None = None) -> Any:
     """Make ``model.generate`` (a transformers model, its ``torch.compile(model, backend="tsp")``
     wrapper, or a model whose forward was compiled) run the prompt on the TSP schedules and the
-    decode steps tensor-parallel on the shards. Returns ``model``."""
+    decode steps tensor-parallel on the shards. Returns ``model``.
+
+    The prompt compiles with the options ``torch.compile`` was given (inner compiler, dump
+    directory, ...), updated by ``options`` where both name one."""
     OptimizedModule = optimized_module_class()  # noqa: N806 - a class
 
     if isinstance(model, OptimizedModule):
         inner = compiled_module_original(model)
         if not _is_generative(inner):
             raise GenerateUnsupportedError(f"tspc: {type(inner).__name__} has no generate()")
-        _route_compiled_module(model, options)
+        _route_compiled_module(model, _with_compile_options(model, options))
         return model
     if not _is_generative(model):
         raise GenerateUnsupportedError(f"tspc: {type(model).__name__} has no generate()")
     own = model.__dict__.get("forward")
-    route(model, own if own is not None and not isinstance(own, GenerateForward) else None, options)
+    if own is None or isinstance(own, GenerateForward):
+        route(model, None, options)
+    else:
+        route(model, own, _with_compile_options(own, options))
     return model
+
+
+def _with_compile_options(compiled: Any, options: dict | None) -> dict | None:
+    """The options ``compiled`` was made with by ``torch.compile``, updated by ``options``."""
+    found = compile_options(compiled)
+    if found is None:
+        return options
+    return {**found, **(options or {})}
 
 
 def _route_compiled_module(cm: nn.Module, options: dict | None) -> None:

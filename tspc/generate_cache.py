@@ -50,12 +50,13 @@ def _make_cache_types():
 
         is_croppable = False
 
-        def __init__(self, keys, values, positions, counts, rank):
+        def __init__(self, keys, values, positions, counts, rank, window=None):
             super().__init__()
             self.keys, self.values = keys, values
             self.positions = positions
             self.counts = list(counts)
             self.rank = rank
+            self.window = window  # the layer's sliding window (keys), None: full attention
             self.device = keys.device
             self.is_initialized = True
 
@@ -75,13 +76,20 @@ def _make_cache_types():
                     "decoding runs one token per sequence (assisted / speculative decoding and "
                     "chunked prefill are not supported)"
                 )
-            current_step()  # a clear error outside a decode step
+            current_step().touched = True  # (and a clear error outside a decode step)
             self.pending = (key_states, value_states)
             return self.keys, self.values
 
         def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
             """The new token's K/V of every KV head: cached by its owner rank only."""
             pos = self.get_seq_length()
+            if self.window is not None:  # a window cache: the query at pos, and every later
+                # one, sees only keys after pos - window (``counts`` keep every token: the
+                # sequence length and the owner of the next token do not change)
+                seen = self.positions > pos - self.window
+                if not bool(seen.all()):
+                    self.keys, self.values = self.keys[..., seen, :], self.values[..., seen, :]
+                    self.positions = self.positions[seen]
             owner = owner_of_next(self.counts)
             self.counts[owner] += 1
             if owner == self.rank:
@@ -145,19 +153,57 @@ def tsp_cache_type() -> type:
     return _types()[1]
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers lays out the
+    cache of ``config`` (``sliding_window``, or ``layer_types`` mixing sliding and full layers)."""
+    from transformers.cache_utils import DynamicCache
+
+    windows = []
+    for i, layer in enumerate(DynamicCache(config=config).layers):
+        kind = type(layer).__name__
+        if "Chunked" in kind:
+            raise GenerateUnsupportedError(
+                f"tspc: layer {i} attends in chunks ({kind}: attention_chunk_size); decoding on a "
+                "sequence-sharded cache supports full attention and sliding windows only"
+            )
+        windows.append(getattr(layer, "sliding_window", None))
+    return windows
+
+
+def full_prefill_cache(windows: list[int | None]):
+    """The cache the prompt fills when a layer has a sliding window: every layer keeps every
+    prompt token (transformers' window layer keeps the last ``window - 1`` of whatever tokens it
+    is given: on a rank that is the tail of its zigzag shard, padding included, not the tail of
+    the prompt), cut to the window by ``cache_from_prefill``. None where no layer has one."""
+    if all(w is None for w in windows):
+        return None
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache()
+
+
 def cache_from_prefill(
-    cache, prompt_len: int, sharded: bool, group: str, world: int, rank: int
+    cache,
+    prompt_len: int,
+    sharded: bool,
+    group: str,
+    world: int,
+    rank: int,
+    windows: list[int | None] | None = None,
 ) -> Any:
     """A ``TSPCache`` from the prefill's ``DynamicCache``: its K/V hold this rank's zigzag tokens
-    of the padded prompt (``sharded``), or the whole prompt (gathered); keep this rank's real
-    tokens."""
+    of the padded prompt (``sharded``), or the whole prompt (gathered; a sliding-window layer of
+    transformers: the prompt's last tokens); keep this rank's real tokens the next token can
+    see (a layer's ``windows`` entry: its sliding window)."""
     layer_cls, cache_cls = _types()
     P = padded_length(prompt_len, world)
     counts = [int((zigzag_indices(P, r, world) < prompt_len).sum()) for r in range(world)]
+    windows = windows or [None] * len(cache.layers)
     layers = []
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         keys, values = layer.keys, layer.values
         pos = zigzag_indices(P, rank, world).to(keys.device)
+        window = windows[i] if i < len(windows) else None
         if sharded:
             if keys.shape[-2] != P // world:
                 raise RuntimeError(
@@ -167,7 +213,20 @@ def cache_from_prefill(
             valid = pos < prompt_len
             keys, values, pos = keys[..., valid, :], values[..., valid, :], pos[valid]
         else:
-            pos = pos[pos < prompt_len]
-            keys, values = keys.index_select(-2, pos), values.index_select(-2, pos)
-        layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank))
+            # the layer holds the prompt's last ``held`` tokens (all of them, but in a
+            # sliding-window layer, which keeps the last window - 1)
+            held = keys.shape[-2]
+            first = prompt_len - held
+            if first < 0 or (first > 0 and getattr(layer, "sliding_window", None) is None):
+                raise RuntimeError(
+                    f"tspc: layer {i} of the prompt's cache holds {held} tokens of a "
+                    f"{prompt_len}-token prompt; expected all of them"
+                )
+            window = window if window is not None else getattr(layer, "sliding_window", None)
+            pos = pos[(pos < prompt_len) & (pos >= first)]
+            keys, values = keys.index_select(-2, pos - first), values.index_select(-2, pos - first)
+        if window is not None:  # the next token (at prompt_len) sees keys after prompt_len - window
+            seen = pos > prompt_len - window
+            keys, values, pos = keys[..., seen, :], values[..., seen, :], pos[seen]
+        layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank, window))
     return cache_cls(layers, group, world, rank)
