@@ -40,6 +40,7 @@ from .graph_utils import (
 )
 from .held_whole import size_fix
 from .match_attention import Skip, failed
+from .match_moe import einsum_projection_only
 from .projection import _MATMULS, Linear, as_linear
 
 _ATTENTION = ("sdpa", "softmax", "flex_attention")
@@ -225,7 +226,7 @@ def find_moe_blocks(gm: fx.GraphModule, params) -> dict[str, str]:
     found: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in params and len(shape(node)) == 3:
-            mm = _matmul_reached(node)
+            mm = None if einsum_projection_only(node) else _matmul_reached(node)
             if mm is not None:
                 fqn = params[node].fqn
                 found.setdefault(fqn.rsplit(".", 1)[0], []).append(

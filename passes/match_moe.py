@@ -244,11 +244,36 @@ def _router_weights(region, x, ids, w1, w2, pairs: int) -> fx.Node:
     return weights[0]
 
 
+def einsum_projection_only(param: fx.Node) -> bool:
+    """True when every use of the 3-D ``param`` is a two-operand einsum in which none of its
+    indices is a batch index (in both operands and the output): a projection whose weight
+    contracts or adds several dims (``bhse,hed->bsd``), not one expert per leading index."""
+    if not param.users:
+        return False
+    for user in param.users:
+        args = list(user.args)
+        if len(args) == 2 and isinstance(args[1], (list, tuple)):
+            args = [args[0], *args[1]]
+        if op_name(user) != "einsum" or len(args) != 3 or not isinstance(args[0], str):
+            return False
+        eq = args[0].replace(" ", "")
+        if "->" not in eq or len(eq.split("->")[0].split(",")) != 2:
+            return False
+        lhs, out = eq.split("->")
+        a, b = lhs.split(",")
+        mine, other = (a, b) if args[1] is param else (b, a)
+        if any(c in other and c in out for c in mine if c != "."):
+            return False
+    return True
+
+
 def stacked_pairs(gm: fx.GraphModule, params) -> dict[str, list[fx.Node]]:
     """{MoE block (``module_fqn_of_param``'s module of the experts): its 3-D parameters}."""
     out: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in params and len(shape(node)) == 3:
+            if einsum_projection_only(node):
+                continue
             out.setdefault(module_fqn_of_param(params[node].fqn), []).append(node)
     return out
 

@@ -140,3 +140,17 @@ def test_the_report_lists_every_census_item_matched_or_skipped():
         if form != "bmm":
             assert entries[("attention", f"attn.{i}")].status == "matched", rep.summary()
         assert entries[("mlp", f"mlp.{i}")].status == "matched", rep.summary()
+
+
+def test_an_einsum_projection_over_a_3d_weight_is_not_a_mixture_of_experts():
+    """The einsum decoder's output projection ``bhse,hed->bsd`` (weight ``[heads, head_dim,
+    dim]``, both leading indices contracted) and its fused q/k/v ``bsd,thed->tbhse`` hold no
+    expert per leading index: the MoE matcher must not read their blocks as experts (it once
+    reported "1 stacked parameters ... expert parallelism takes two" under the block's name)."""
+    from tests.einsum_model import EinsumDecoder
+    from tspc.passes.analyse import analyse
+    from tspc.passes.match_moe import stacked_pairs
+
+    torch.manual_seed(0)
+    gm, inputs = capture(EinsumDecoder(), torch.randint(0, VOCAB, (2, 8)))
+    assert stacked_pairs(gm, analyse(gm, inputs).params) == {}

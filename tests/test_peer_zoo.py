@@ -44,9 +44,9 @@ EXPECTED: dict[str, dict[str, str]] = {
     "torchtune qwen2": {"attention": "matched", "mlp": "matched"},
     "torchtune gemma": {"attention": "matched", "mlp": "matched"},
     "torchtune gemma mqa": {"attention": "matched", "mlp": "matched"},
-    # the attention's output einsum is taken for a mixture of experts' MLP (under the block's
-    # name, which hides the GLU); the einsum attention is skipped with its reason
-    "einsum decoder": {"attention": "softmax input is not q @ k^T", "mlp": "1 stacked parameters"},
+    # the einsum attention (fused [3, h, e, d] q/k/v einsum, two contracted indices out) is
+    # skipped with its reason; the GLU MLPs are matched
+    "einsum decoder": {"attention": "softmax input is not q @ k^T", "mlp": "matched"},
 }
 
 
