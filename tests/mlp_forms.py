@@ -178,7 +178,7 @@ SKIPPED = {
     "scaled_by_param": (ScaledByParamMLP, "a tensor from outside the MLP"),
     "leaky": (LeakyMLP, "is also used outside the MLP"),
     "in_place": (InPlaceMLP, "works in place"),
-    "stacked_moe": (StackedMoE, "mixture of experts: layers.0.mlp.w_in [4, 128, 64] stacks"),
+    "stacked_moe": (StackedMoE, "mixture of experts: layers.0.mlp.w_out [4, 64, 128] stacks"),
     "loop_moe": (LoopMoE, "mixture of experts: the router layers.0.mlp.gate.weight"),
 }
 
