@@ -150,6 +150,9 @@ def _collective_worker(rank: int, world: int, port: int, quick: bool, queue: Any
         work.wait()
 
     tb = _timed(both, repeats=3)
+    # A rank whose last all-reduce finished first must not close the group under the other's
+    # wait (gloo: "Connection closed by peer").
+    dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         overlap = 1.0 - (tb - max(tc, tm)) / min(tc, tm)
