@@ -382,3 +382,15 @@ def storage_use_count(t: torch.Tensor) -> int:
     another live tensor (a view, the flat buffer ``t`` was carved from, a tied alias) reads it,
     so freeing it would pull the data from under that tensor."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Ask Dynamo to trace ``t``'s ``dim`` with a symbolic size from its first trace, without
+    failing if the code makes it static (``torch._dynamo.maybe_mark_dynamic``)."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def mark_static(t: torch.Tensor, dim: int) -> None:
+    """Keep ``t``'s ``dim`` a constant in Dynamo's traces, also after it changed between calls
+    (``torch._dynamo.mark_static``: no automatic dynamic size there)."""
+    torch._dynamo.mark_static(t, dim)

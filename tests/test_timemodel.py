@@ -189,3 +189,65 @@ def test_plan_time_cli_on_a_tiny_config(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):  # a scheme name that does not exist: a clear usage error
         main([*argv, "--time", "--time-schemes", "tsp,megatron"])
     assert "megatron" in capsys.readouterr().err
+
+
+def _zigzag_step(q, k, v, rank: int) -> None:
+    out, _ = torch.ops.tspc.zigzag_causal_attention(q, k, v, rank, 2, 0.25)
+    out.sum().backward()
+
+
+def test_zigzag_kernel_is_recorded_as_the_ops_it_runs() -> None:
+    """The recorder replaces tspc's zigzag op by the block SDPAs its Python runs: as many as
+    torch's profiler sees in a real call, and the two ranks' forward FLOPs together are one
+    process's causal attention."""
+    from torch.profiler import profile
+
+    import tspc.ops.zigzag_attention  # noqa: F401 - registers the op
+    from tspc.runtime.compat import FakeTensorMode
+    from tspc.tools.timemodel.trace import OpRecorder
+
+    b, h, s, d = 1, 2, 32, 8
+
+    def inputs():
+        q = torch.randn(b, h, s // 2, d, requires_grad=True)
+        k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(2))
+        return q, k, v
+
+    total = 0.0
+    for rank in range(2):
+        with profile() as prof:
+            _zigzag_step(*inputs(), rank)
+        real = sum(
+            e.count for e in prof.key_averages()
+            if e.key.startswith("aten::_scaled_dot_product_flash_attention_for_cpu")
+        )  # fmt: skip
+        with FakeTensorMode():
+            fake = inputs()
+            with OpRecorder(2) as rec:
+                _zigzag_step(*fake, rank)
+        sdpa = [op for op in rec.ops if op.name.startswith("_scaled_dot_product_flash")]
+        assert len(sdpa) == real > 0
+        assert not any(op.name.startswith("zigzag") for op in rec.ops)
+        assert all(op.head_dim == d for op in sdpa)
+        total += sum(op.flops for op in sdpa if not op.name.endswith("_backward"))
+    assert total == pytest.approx(4.0 * b * h * s * s * d * 0.5)
+
+
+def test_attention_curve_picks_forward_or_backward_by_head_size() -> None:
+    from tspc.tools.timemodel.replay import compute_time
+
+    hw = Hardware(
+        name="t", peak_flops={"fp32": 1e12}, memory_bandwidth=1e12, links={"intra": LINK},
+        op_overhead=0.0, attention_curve=[[16.0, 1e9, 5e8], [64.0, 4e9, 2e9]],
+    )  # fmt: skip
+    fwd = Op(
+        "_scaled_dot_product_flash_attention_for_cpu", "compute", "attention", 1e9, head_dim=16
+    )
+    bwd = Op(
+        "_scaled_dot_product_flash_attention_for_cpu_backward", "compute", "attention", 1e9,
+        head_dim=64,
+    )  # fmt: skip
+    assert compute_time(hw, fwd) == pytest.approx(1.0)  # 1 GFLOP at 1 GFLOP/s
+    assert compute_time(hw, bwd) == pytest.approx(0.5)  # at 2 GFLOP/s
+    mid = Op(fwd.name, "compute", "attention", 1e9, head_dim=32)  # log-log between the two
+    assert compute_time(hw, mid) == pytest.approx(0.5)

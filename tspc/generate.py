@@ -60,6 +60,7 @@ from tspc.generate_cache import (
     layer_windows,
     tsp_cache_type,
 )
+from tspc.prefill_buckets import bucket_prompt, trim_prefill_output
 from tspc.runtime.compat import compile_options, compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm, merge_partials, partial_attention
 from tspc.runtime.decode_moe import is_stacked_experts, local_experts_hooks
@@ -362,16 +363,35 @@ class GenerateForward:
         keep = kwargs.get("logits_to_keep")
         kwargs = {**kwargs, cache_key: full_prefill_cache(self.windows), "use_cache": True}
         sharded = isinstance(keep, int) and keep >= 1  # else the logits of every token: gathered
+        bucket = None
+        if self.options.get("prefill_buckets", True):
+            # a few programs for every prompt shape (``tspc/prefill_buckets.py``)
+            args, kwargs, bucket = bucket_prompt(args, kwargs, self._tsp_world())
         with _stand_ins(self.model):
             out = (self.prefill if sharded else self.compiled)(*args, **kwargs)
+        name = "cache" if "cache" in out else "past_key_values"
+        if bucket is not None:
+            out = trim_prefill_output(out, bucket, name, sharded)
         grp = _tsp_group_of(self.model)
         group, world = grp if grp is not None else ("", 1)
         rank = dist.get_rank(_pg(group)) if world > 1 else 0
-        name = "cache" if "cache" in out else "past_key_values"
         out[name] = cache_from_prefill(
             out[name], ids.shape[1], sharded, group, world, rank, self.windows
         )
         return out
+
+    def _tsp_world(self) -> int:
+        """D: of the sharded weights, or (before the first compile) of the group the options
+        name, as the backend will resolve it."""
+        grp = _tsp_group_of(self.model)
+        if grp is not None:
+            return grp[1]
+        from tspc.runtime.group import resolve_group
+
+        o = self.options
+        return resolve_group(
+            o.get("group"), o.get("mesh_dim"), o.get("data_parallel", "replicate")
+        ).size
 
     def _decode(self, args, kwargs):
         model = self.model

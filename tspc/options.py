@@ -78,6 +78,10 @@ class TSPOptions:
         gradient accumulators) in flight instead of two shards, for the same bytes in more
         hops. None (default): 8 for the rings of recomputed blocks (``recompute``, or a
         user's checkpoint), where the ring's buffers are what is left at the peak, else 1.
+    prefill_buckets: ``generate()``'s prompt padded on the right to a multiple of 2D and its
+        batch to a power of two, with dynamic sequence dims (``tspc/prefill_buckets.py``), so
+        prompts of any length and batch reuse a few compiled programs (default). Off: each
+        prompt runs at its own shape.
     """
 
     group: Any = None
@@ -97,6 +101,7 @@ class TSPOptions:
     loss_chunk: int | None = None
     dynamic_seq: bool = True
     ring_chunks: int | None = None
+    prefill_buckets: bool = True
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
@@ -121,7 +126,7 @@ class TSPOptions:
                 "option check_inputs must be 'shapes' (the default), True (also the values, "
                 f"every call) or False, got {options['check_inputs']!r}"
             )
-        for name in ("overlap", "strict", "sync_module_states", "dynamic_seq"):
+        for name in ("overlap", "strict", "sync_module_states", "dynamic_seq", "prefill_buckets"):
             if name in options and not isinstance(options[name], bool):
                 raise OptionError(f"option {name} must be True or False, got {options[name]!r}")
         if options.get("recompute", "none") != "none" and options.get("inner") == "eager":

@@ -1,8 +1,10 @@
 """Measure this machine's constants with microbenchmarks only (``tspc plan --calibrate``).
 
-Nothing here runs a model or a step: GEMMs of several sizes (FLOP/s by FLOPs per call), an
-elementwise add of several sizes (bytes/s by bytes per call), a view (dispatch cost), one
-causal SDPA (attention's fraction of the GEMM peak), and, in ``devices`` gloo processes, each
+Nothing here runs a model or a step: GEMMs of several sizes, square and tall-skinny, with
+transposed operands as a backward has them (FLOP/s by FLOPs per call), an
+elementwise add of several sizes (bytes/s by bytes per call), one op on one element (the cost of
+an op call, ``op_overhead``), a view (dispatch cost), causal
+SDPA forward and backward at several head sizes (FLOP/s by head size), and, in ``devices`` gloo processes, each
 collective at several message sizes (α and bandwidth fitted per collective with the algorithm
 formulas of ``collectives.py``) and one all-reduce run under a GEMM loop (how much a transfer
 slows the compute it overlaps: ``overlap``). One intra-op thread per process, as
@@ -42,35 +44,84 @@ def _timed(fn: Callable[[], Any], repeats: int = 5, min_s: float = 0.02) -> floa
 
 
 def compute_constants(dtype: str = "fp32", quick: bool = False) -> dict[str, Any]:
-    """GEMM curve, memory curve, view cost and attention efficiency of this process."""
+    """GEMM curve, memory curve, per-op and view cost and attention efficiency of this process.
+
+    Every op is called as an aot_eager graph's code calls it (``torch.ops.aten.<op>.<overload>``:
+    an ``OpOverload`` call costs several microseconds of Python and dispatch, several times a
+    ``torch.add`` call's). ``op_overhead`` is that cost on one-element tensors; the curves are the
+    rates of the work above it (``time - op_overhead``), so ``op_overhead + work / rate`` gives
+    back each measured time and extends below the smallest size measured."""
     torch.set_num_threads(1)
     dt = DTYPES[dtype]
+    aten = torch.ops.aten
+    one = torch.ones(1, dtype=dt)
+    floor = _timed(lambda: aten.add.Tensor(one, one))
+
+    def rate(work: float, seconds: float, calls: int = 1) -> float:
+        # (a size at the floor's noise: its work at no less than a tenth of the call)
+        return work / max(seconds - calls * floor, 0.1 * seconds)
+
     gemm = []
     for n in (32, 64, 128, 256, 512) if quick else (32, 64, 128, 256, 384, 512, 768):
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        s = _timed(lambda a=a, b=b: torch.mm(a, b))
-        gemm.append([2.0 * n**3, 2.0 * n**3 / s])
+        flops, seconds = gemm_mix(n, dt)
+        gemm.append([flops / 9, rate(flops, seconds, calls=9)])
     gemm.sort()
     memory = []
     for numel in (1e3, 1e4, 1e5, 1e6) if quick else (1e3, 1e4, 1e5, 1e6, 4e6):
         x, y = torch.randn(int(numel), dtype=dt), torch.randn(int(numel), dtype=dt)
-        s = _timed(lambda x=x, y=y: torch.add(x, y))
+        s = _timed(lambda x=x, y=y: aten.add.Tensor(x, y))
         nbytes = 3 * numel * x.element_size()
-        memory.append([nbytes, nbytes / s])
+        memory.append([nbytes, rate(nbytes, s)])
     x = torch.randn(64, 64, dtype=dt)
-    view = _timed(lambda: x.view(4096))
-    q = torch.randn(1, 4, 1024, 32, dtype=dt)
-    s = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
-    attention_rate = 4.0 * 4 * 1024 * 1024 * 32 * 0.5 / s
+    view = _timed(lambda: aten.view.default(x, [4096]))
+    attention = [attention_rates(d, dt, rate) for d in ((16, 64) if quick else (16, 32, 64, 128))]
     peak = max(r for _, r in gemm)
     return {
         "peak_flops": {dtype: peak},
         "gemm_curve": {dtype: gemm},
         "memory_curve": memory,
         "memory_bandwidth": max(r for _, r in memory),
+        "op_overhead": floor,
         "view_overhead": view,
-        "attention_efficiency": min(1.0, attention_rate / peak),
+        "attention_efficiency": min(1.0, max(r[1] for r in attention) / peak),
+        "attention_curve": attention,
     }
+
+
+def gemm_mix(n: int, dt: torch.dtype) -> tuple[float, float]:
+    """FLOPs and seconds of nine GEMMs of about ``2 n^3`` FLOPs each, as a training step runs
+    them: square and tall-skinny ([4n, n/2] x [n/2, n], [4n, n] x [n, n/2]: tokens x features),
+    each with plain, transposed-right (forward ``x W^T``) and transposed-left (a weight's
+    gradient ``dY^T X``) operands."""
+    aten = torch.ops.aten
+    flops = seconds = 0.0
+    for m, k, p in ((n, n, n), (4 * n, n // 2, n), (4 * n, n, n // 2)):
+        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, p, dtype=dt)
+        bt, at = torch.randn(p, k, dtype=dt).t(), torch.randn(k, m, dtype=dt).t()
+        for x, y in ((a, b), (a, bt), (at, b)):
+            seconds += _timed(lambda x=x, y=y: aten.mm.default(x, y))
+            flops += 2.0 * m * k * p
+    return flops, seconds
+
+
+def attention_rates(
+    head_dim: int, dt: torch.dtype, rate: Callable[[float, float], float], seq: int = 1024
+) -> list[float]:
+    """[head_dim, forward FLOP/s, backward FLOP/s] of causal SDPA (8 heads, ``seq`` tokens),
+    FLOPs counted as the trace counts them (``trace.attention_flops``)."""
+    q, k, v = (torch.randn(1, 8, seq, head_dim, dtype=dt, requires_grad=True) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    grad = torch.randn(1, 8, seq, head_dim, dtype=dt)
+    flops = 4.0 * 8 * seq * seq * head_dim * 0.5
+    with torch.no_grad():
+        forward = _timed(lambda: sdpa(q, k, v, is_causal=True))
+
+    def both() -> None:
+        out = sdpa(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    backward = max(_timed(both) - forward, 0.1 * forward)
+    return [float(head_dim), rate(flops, forward), rate(2.5 * flops, backward)]
 
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "p2p")
@@ -138,18 +189,28 @@ def _collective_worker(rank: int, world: int, port: int, quick: bool, queue: Any
         for _ in range(40):
             torch.mm(a, a)
 
-    dist.barrier()
-    tc = _timed(gemms, repeats=3)
-    dist.barrier()
-    tm = _timed(lambda: dist.all_reduce(y), repeats=3)
-    dist.barrier()
+    def lockstep(fn: Callable[[], Any], calls: int = 5) -> float:
+        # the same number of calls on every rank: ``_timed`` loops for a time, and ranks that
+        # run a collective a different number of times wait on each other for ever
+        dist.barrier()
+        fn()
+        samples = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls)
+        return statistics.median(samples)
 
     def both() -> None:
         work = dist.all_reduce(y, async_op=True)
         gemms()
         work.wait()
 
-    tb = _timed(both, repeats=3)
+    tc = lockstep(gemms)
+    tm = lockstep(lambda: dist.all_reduce(y))
+    tb = lockstep(both)
     # A rank whose last all-reduce finished first must not close the group under the other's
     # wait (gloo: "Connection closed by peer").
     dist.barrier()
@@ -198,10 +259,11 @@ def calibrate(devices: int = 2, dtype: str = "fp32", quick: bool = False) -> Har
         gemm_efficiency=1.0,
         attention_efficiency=c["attention_efficiency"],
         memory_efficiency=1.0,
-        op_overhead=0.0,
+        op_overhead=c["op_overhead"],
         view_overhead=c["view_overhead"],
         gemm_curve=c["gemm_curve"],
         memory_curve=c["memory_curve"],
+        attention_curve=c["attention_curve"],
         collectives=comm["collectives"],
         overlap=comm["overlap"],
         source=f"tspc plan --calibrate: microbenchmarks, {dtype}, 1 thread, gloo over {devices}",

@@ -47,6 +47,9 @@ class Hardware:
     # measured curves (optional): [[x, rate], ...] sorted by x; log-log interpolation
     gemm_curve: dict[str, list[list[float]]] = field(default_factory=dict)  # dtype -> curve
     memory_curve: list[list[float]] = field(default_factory=list)
+    # attention kernels by head size: [[head_dim, forward FLOP/s, backward FLOP/s], ...]
+    # (FLOPs as the trace counts them: causal halved, backward 2.5x the forward's)
+    attention_curve: list[list[float]] = field(default_factory=list)
     collectives: dict[str, Link] = field(default_factory=dict)  # kind -> measured α, bandwidth
     # fraction of a transfer's time during which compute still runs at full speed (1 on GPUs:
     # copy engines / a few SMs; on a CPU, gloo's threads take cores from the compute)

@@ -2,7 +2,7 @@
 
 Roofline: a compute op takes ``max(FLOPs / rate, bytes / bandwidth) + overhead``, where the rate
 is the peak FLOP/s for its dtype times its class's efficiency (GEMM, attention) or a measured
-GEMM curve, and the bandwidth the memory bandwidth times its efficiency or a measured curve.
+curve (GEMMs by FLOPs per call; attention forward and backward by head size), and the bandwidth the memory bandwidth times its efficiency or a measured curve.
 Views move nothing: they cost ``view_overhead`` (0 on the GPU presets; a CPU's dispatch time
 when calibrated); metadata queries (ops that return no tensor) cost nothing. This is the roofline of ``torch.distributed._tools.runtime_estimator``
 (``_roofline_estimate``: max of compute time from the FLOP counter and transfer time from the
@@ -42,6 +42,10 @@ def compute_time(hw: Hardware, op: Op) -> float:
         return hw.view_overhead
     if op.cls == "gemm" and op.dtype in hw.gemm_curve:
         rate = interpolate(hw.gemm_curve[op.dtype], max(op.flops, 1.0))
+    elif op.cls == "attention" and hw.attention_curve and op.head_dim:
+        column = 2 if op.name.endswith("_backward") else 1
+        curve = [[row[0], row[column]] for row in hw.attention_curve]
+        rate = interpolate(curve, float(op.head_dim))
     elif op.cls == "attention":
         rate = hw.flops(op.dtype) * hw.attention_efficiency
     else:

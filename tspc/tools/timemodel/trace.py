@@ -19,7 +19,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from tspc.runtime.compat import TorchDispatchMode, tree_leaves
+from tspc.runtime.compat import TorchDispatchMode, op_schema, tree_leaves
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -38,6 +38,7 @@ class Op:
     collective: str = ""  # all_gather, reduce_scatter, all_reduce, broadcast, reduce, ...
     devices: int = 1
     handle: int = -1
+    head_dim: int = 0  # attention ops: the head size (its kernels' efficiency depends on it)
 
 
 # tspc's start ops (runtime/comm.py) -> (collective kind, payload: "in" or "out" bytes)
@@ -87,6 +88,11 @@ def _nbytes(ts: Sequence[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
 
 
+def _attention_query(name: str, args: Sequence[Any]) -> torch.Tensor:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return tensors[1] if name.endswith("_backward") else tensors[0]
+
+
 def attention_flops(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
     """FLOPs of an attention op: 4·B·Hq·Sq·Sk·d for the forward (QK^T and PV), halved by a
     causal mask (``is_causal``, and tspc's zigzag kernel, whose D ranks together do one causal
@@ -102,6 +108,23 @@ def attention_flops(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> f
         causal = bool(bools and bools[0])
     fraction = 0.5 if causal else 1.0
     return ATTENTION[name] * 4.0 * b * hq * sq * sk * d * fraction
+
+
+def _zigzag(name: str):
+    def impl():
+        from tspc.ops import zigzag_attention
+
+        return getattr(zigzag_attention, name)
+
+    return impl
+
+
+# tspc ops recorded as the ops their implementation runs (pure local compute, written in
+# Python over ATen: on fake tensors they run as they would for real)
+EXPANDED = {
+    "zigzag_causal_attention": _zigzag("_forward"),
+    "zigzag_causal_attention_backward": _zigzag("_attention_backward"),
+}
 
 
 class OpRecorder(TorchDispatchMode):
@@ -129,6 +152,18 @@ class OpRecorder(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # let DTensor unwrap: its local ops come back here
         out = func(*args, **kwargs)
+        expand = EXPANDED.get(getattr(func, "_opname", "")) if func.namespace == "tspc" else None
+        if expand is not None:
+            # the kernel's own ops, as they run (its block SDPAs, slices and merges), in place
+            # of one op with the whole attention's FLOPs
+            schema = op_schema(func).arguments
+            positional = [
+                args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+                for i, a in enumerate(schema)
+            ]
+            with self:
+                expand()(*positional)
+            return out
         self.record(func, args, kwargs, out)
         return out
 
@@ -172,7 +207,10 @@ class OpRecorder(TorchDispatchMode):
         nbytes = _nbytes(ins) + _nbytes(outs)
         if name in ATTENTION:
             flops = attention_flops(name, args, kwargs)
-            self.ops.append(Op(name, "compute", "attention", flops, nbytes, dtype))
+            head_dim = int(_attention_query(name, args).shape[-1])
+            self.ops.append(
+                Op(name, "compute", "attention", flops, nbytes, dtype, head_dim=head_dim)
+            )
             return
         packet = getattr(func, "overloadpacket", None)
         flops = 0.0
