@@ -4,7 +4,8 @@
 * the claim the padding rests on, in one process without tspc: a transformers Llama's prefill on
   the bucketed inputs, trimmed, gives the unpadded call's logits and K/V (a left-padded batch,
   every logit and one logit kept);
-* a serving loop at D = 2 (requests of batch 1-4 and lengths 5-40, left-padded, routed by
+* a serving loop at D = 1 (decode's attention: one fused SDPA, no partials to merge) and D = 2
+  (requests of batch 1-4 and lengths 5-40, left-padded, routed by
   ``tspc.enable_generate`` before the first): tokens equal one process, and tspc compiles once
   per batch bucket (counted by ``counters["tspc"]["compiles"]``), not once per request.
 """
@@ -97,12 +98,12 @@ def test_trimmed_prefill_equals_the_unpadded_one(keep):
 REQUESTS = [(1, 17), (4, 23), (3, 9), (2, 40), (1, 5), (4, 31), (2, 12), (3, 38)]
 
 
-def _serve(rank: int, world: int) -> dict:
+def _serve(rank: int, world: int, tsp: bool = True) -> dict:
     import tspc
     from tspc.runtime.compat import dynamo_counters
 
     model = _llama()
-    if world > 1:
+    if tsp:
         model.forward = torch.compile(model.forward, backend="tsp", options={"inner": "aot_eager"})
         tspc.enable_generate(model)
     counters = dynamo_counters()
@@ -118,9 +119,10 @@ def _serve(rank: int, world: int) -> dict:
     return {"tokens": tokens, "compiles": counters["tspc"]["compiles"] - before}
 
 
-def test_serving_loop_compiles_once_per_batch_bucket():
-    one = spawn(_serve, 1)[0]
-    for rank, res in enumerate(spawn(_serve, 2, timeout=600)):
+@pytest.mark.parametrize("world", [1, 2])
+def test_serving_loop_compiles_once_per_batch_bucket(world):
+    one = spawn(_serve, 1, False)[0]
+    for rank, res in enumerate(spawn(_serve, world, True, timeout=600)):
         assert res["tokens"] == one["tokens"], f"rank {rank}"
         # batch buckets 1, 2 and 4 (3 pads to 4): one program each serves every length
         assert res["compiles"] == 3, f"rank {rank}: {res['compiles']} compiles"
