@@ -10,6 +10,9 @@ tokens, batch 1, on CPU gloo processes:
   ``model.generate``: the prompt on the TSP schedules (1/D of the tokens and of the weights per
   rank, each rank keeping its own tokens' K/V), decode tensor-parallel on the shards with the
   sequence-sharded cache (``tspc/generate.py``);
+* ``tsp_heads``: the same with ``options={"decode_layout": "heads"}``: at the first decode step
+  each layer's cache is re-laid by head groups (one all-to-all), then decode attention is local
+  to each rank (2 all-reduces per layer, as TP);
 * ``tp``: Megatron tensor parallelism with torch's ``parallelize_module`` (colwise q/k/v/gate/up,
   rowwise o/down; every rank runs the whole prompt, KV cache sharded by heads), eager generate.
 
@@ -85,8 +88,9 @@ def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     model = build(args)
     if mode == "tp":
         model = _tp(model, world)
-    elif mode == "tsp":
-        model.forward = torch.compile(model.forward, backend="tsp")
+    elif mode in ("tsp", "tsp_heads"):
+        options = {"decode_layout": "heads"} if mode == "tsp_heads" else None
+        model.forward = torch.compile(model.forward, backend="tsp", options=options)
     ids = torch.randint(
         1, args["vocab"], (1, args["prompt"]), generator=torch.Generator().manual_seed(1)
     )
@@ -115,7 +119,7 @@ def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     root.register_forward_pre_hook(pre)
     root.register_forward_hook(post)
     gen(ids[:, :32], 2)  # warm-up: compiles (tsp), first release of the full weights
-    if mode == "tsp":
+    if mode.startswith("tsp"):
         gen(ids, 2)  # the long prompt's compile; later generates reuse it
     calls.clear()
     out = gen(ids, args["new"])
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_heads=4, layers=2, vocab=512,
     )  # fmt: skip
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--modes", nargs="+", default=["tsp", "tp"])
+    ap.add_argument("--modes", nargs="+", default=["tsp", "tsp_heads", "tp"])
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     # what each rank is given: the prompt and the model's sizes
@@ -148,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("one", 1, one))
     for d in a.devices:
         for mode in a.modes:
-            if mode == "tp" and d == 1:
+            if mode in ("tp", "tsp_heads") and d == 1:
                 continue
             per_rank = spawn(run_rank, d, mode, args, timeout=3600)
             worst = max(per_rank, key=lambda r: r["peak"])

@@ -27,6 +27,13 @@ heads, H_kv KV heads of dimension d, hidden h; the all-reduce counted as 2(D-1)/
 (the log-sum-exp travels in fp32 with the output: β = 4 for that part when the model is 16-bit,
 counted exactly by ``decode_bytes_per_token``). Compare with one layer's matched weights,
 β·(2·h·H·d + 2·h·H_kv·d + 3·h·F): the per-token traffic is a few rows of h, not the model.
+
+With ``decode_layout="heads"`` (``tspc.generate_cache.cache_by_heads``) each layer's cache is
+re-laid once, at the first decode step, by head groups: an all-to-all of the keys and one of
+the values (each rank's part padded to the longest rank's L_max tokens, receiving
+(D-1)·β·B·(H_kv/D)·L_max·d for each), then steps 2-4 are one local attention of this rank's
+query heads over every token of its KV heads: only step 5's two all-reduces remain per token,
+``2 · 2(D-1)/D · β · B · h`` per layer.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def decode_bytes_per_token(
     itemsize: int,
     kv_sharded: bool = True,
     mlp_layers: int | None = None,
+    layout: str = "sequence",
 ) -> int:
     """Bytes each rank receives for one decoded token of every sequence (the module docstring's
     formula), summed over ``layers`` attention layers and ``mlp_layers`` (default: as many)
@@ -68,7 +76,7 @@ def decode_bytes_per_token(
     kv = 2 * (kv_heads // D) * head_dim * itemsize if kv_sharded else 0
     q = (heads // D) * head_dim * itemsize
     merge = (heads // D) * (head_dim + 1) * 4  # fp32 partial outputs with their log-sum-exps
-    attn = (D - 1) * batch * (kv + q + merge)
+    attn = (D - 1) * batch * (kv + q + merge) if layout == "sequence" else 0
     all_reduce = 2 * (D - 1) * batch * hidden * itemsize // D
     return layers * (attn + all_reduce) + mlp_layers * all_reduce
 

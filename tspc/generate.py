@@ -54,6 +54,7 @@ from tspc.decode_layout import (
 from tspc.generate_cache import (
     DECODE,
     GenerateUnsupportedError,
+    cache_by_heads,
     cache_from_prefill,
     current_step,
     full_prefill_cache,
@@ -78,6 +79,7 @@ class _Step:
     cache: Any
     tag_of_layer: dict[int, str] = field(default_factory=dict)  # layer index -> counter tag
     touched: bool = False  # the cache saw this step (a failure after that cannot be retried)
+    layout: str = "sequence"  # the decode_layout option: "heads" re-lays the cache by heads
 
     def kv_sharded(self, k: torch.Tensor, kv_heads: int) -> bool:
         """Whether the new token's ``k`` holds this rank's group of the ``kv_heads`` heads the
@@ -120,6 +122,13 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         )
     k_new, v_new = layer.pending
     layer.pending = None
+    scale = scaling if scaling is not None else d**-0.5
+    by_heads_possible = layer.window is None and k_new.shape[1] * comm.world == layer.keys.shape[1]
+    if step.layout == "heads" and q_sharded and not layer.by_heads and by_heads_possible:
+        cache_by_heads(layer, comm, tag)  # once per layer: then no collective here
+    if layer.by_heads:
+        layer.append_by_heads(k_new, v_new)
+        return _local_attention(query, layer, attention_mask, T, scale)
     kv_sharded = step.kv_sharded(k_new, layer.keys.shape[1])
     # one all-gather of what is sharded: [q; k; v] of this rank's head groups
     mine = ([query] if q_sharded else []) + ([k_new, v_new] if kv_sharded else [])
@@ -134,18 +143,13 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
             k_new, v_new = gathered
     q_all = query_all if q_sharded else query
     layer.append(k_new, v_new)
+    if comm.world == 1:  # every key is here: no partial to merge, the fused kernel
+        return _local_attention(q_all, layer, attention_mask, T, scale)
     key, value = layer.keys, layer.values
     keep = None
     if attention_mask is not None:
         cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L_p]
         keep = cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
-    scale = scaling if scaling is not None else d**-0.5
-    if comm.world == 1:  # every key is here: no partial to merge, the fused kernel
-        mask = None if keep is None else keep[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q_all, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != heads
-        )
-        return out.transpose(1, 2).contiguous(), None
     out, lse = partial_attention(q_all, key, value, keep, scale)  # every head, these keys
     packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [B, H, T, d+1] fp32
     if q_sharded:
@@ -155,6 +159,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         recv = torch.stack(comm.all_gather(packed, tag))
     merged = merge_partials(recv[..., :d], recv[..., d])  # [B, H_l, T, d]
     return merged.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _local_attention(query, layer, attention_mask, T: int, scale: float):
+    """Attention of ``query`` [B, H_q, T, d] over every cached token of its heads (D = 1, or a
+    cache held by head groups): one fused SDPA, no partial to merge."""
+    key, value = layer.keys, layer.values
+    mask = None
+    if attention_mask is not None:
+        cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L]
+        keep = cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
+        mask = keep[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register_attention() -> None:
@@ -441,7 +460,9 @@ class GenerateForward:
 
     def _decode_step(self, args, kwargs, cache, gather_all: bool):
         comm, plan, tags = self._setup
-        step = _Step(comm, cache, tag_of_layer=tags)
+        step = _Step(
+            comm, cache, tag_of_layer=tags, layout=self.options.get("decode_layout", "sequence")
+        )
         DECODE.step = step
         try:
             with torch.no_grad(), _tensor_parallel(plan, comm, gather_all):

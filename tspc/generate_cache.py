@@ -57,6 +57,7 @@ def _make_cache_types():
             self.counts = list(counts)
             self.rank = rank
             self.window = window  # the layer's sliding window (keys), None: full attention
+            self.by_heads = False  # held by head groups (``cache_by_heads``), not by tokens
             self.device = keys.device
             self.is_initialized = True
 
@@ -98,6 +99,18 @@ def _make_cache_types():
                 self.positions = torch.cat(
                     [self.positions, torch.tensor([pos], device=self.positions.device)]
                 )
+
+        def append_by_heads(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            """The new token's K/V of this rank's head group, on a cache held by head groups
+            (``cache_by_heads``): every rank keeps it. ``counts`` go on as if the sequence were
+            sharded (they give the sequence length; no rank reads them as its own)."""
+            pos = self.get_seq_length()
+            self.counts[owner_of_next(self.counts)] += 1
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+            self.positions = torch.cat(
+                [self.positions, torch.tensor([pos], device=self.positions.device)]
+            )
 
         def crop(self, tokens_to_remove: int) -> None:
             raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")
@@ -230,3 +243,28 @@ def cache_from_prefill(
             keys, values, pos = keys[..., seen, :], values[..., seen, :], pos[seen]
         layers.append(layer_cls(keys.contiguous(), values.contiguous(), pos, counts, rank, window))
     return cache_cls(layers, group, world, rank)
+
+
+def cache_by_heads(layer, comm, tag: str) -> None:
+    """Re-lay one layer's sequence-sharded cache (this rank's tokens, every KV head) as a cache
+    of this rank's KV head group with every token: one all-to-all of the keys, one of the
+    values (each rank's part padded to the longest rank's), one all-gather of the positions.
+    Each rank keeps 1/D of the cache before and after (``decode_layout="heads"``)."""
+    D = comm.world
+    B, H, L, d = layer.keys.shape
+    group = H // D
+    lengths = [int(n) for n in comm.all_gather(torch.tensor([L]), tag)]
+    longest = max(lengths)
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.nn.functional.pad(t, (0, 0, 0, longest - L))  # [B, H, longest, d]
+        parts = padded.reshape(B, D, group, longest, d).transpose(0, 1)  # part j: group j
+        got = comm.all_to_all(parts, tag)  # [D, B, group, longest, d]: rank s's tokens
+        return torch.cat([got[s, :, :, : lengths[s]] for s in range(D)], dim=2)
+
+    keys, values = exchange(layer.keys), exchange(layer.values)
+    pos = torch.nn.functional.pad(layer.positions, (0, longest - L))
+    every = comm.all_gather(pos, tag)
+    layer.positions = torch.cat([every[s][: lengths[s]] for s in range(D)])
+    layer.keys, layer.values = keys.contiguous(), values.contiguous()
+    layer.by_heads = True

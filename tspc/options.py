@@ -18,6 +18,7 @@ _CHOICES = {
     "schedules": ("tsp", "sp", "none"),
     "recompute": ("none", "selective", "full"),
     "data_parallel": ("replicate", "fsdp", "hsdp"),
+    "decode_layout": ("sequence", "heads"),
 }
 
 
@@ -82,6 +83,14 @@ class TSPOptions:
         batch to a power of two, with dynamic sequence dims (``tspc/prefill_buckets.py``), so
         prompts of any length and batch reuse a few compiled programs (default). Off: each
         prompt runs at its own shape.
+    decode_layout: how ``generate()``'s decode steps hold the K/V cache (``tspc/generate.py``):
+        "sequence" (default): each rank keeps its own tokens of every head and attention merges
+        the ranks' partial results (an all-gather and an all-to-all per layer); "heads": at the
+        first decode step each layer's cache is exchanged once (an all-to-all) so each rank
+        keeps every token of its head group, and attention runs on the rank with no
+        collective, as tensor parallelism decodes (2 all-reduces per layer in all). Both keep
+        1/D of the cache per rank; a layer that cannot (K/V heads fewer than D, a sliding
+        window, outputs gathered) stays "sequence".
     """
 
     group: Any = None
@@ -102,6 +111,7 @@ class TSPOptions:
     dynamic_seq: bool = True
     ring_chunks: int | None = None
     prefill_buckets: bool = True
+    decode_layout: str = "sequence"
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> TSPOptions:
