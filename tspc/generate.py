@@ -146,10 +146,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     if comm.world == 1:  # every key is here: no partial to merge, the fused kernel
         return _local_attention(q_all, layer, attention_mask, T, scale)
     key, value = layer.keys, layer.values
-    keep = None
-    if attention_mask is not None:
-        cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L_p]
-        keep = cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
+    keep = _kept_keys(attention_mask, layer, T)
     out, lse = partial_attention(q_all, key, value, keep, scale)  # every head, these keys
     packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [B, H, T, d+1] fp32
     if q_sharded:
@@ -161,15 +158,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     return merged.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+def _kept_keys(attention_mask, layer, T: int) -> torch.Tensor | None:
+    """[B, T, L_p] bool: which of the layer's cached tokens each new query may see (None: all),
+    read from the model's mask at the cached tokens' true positions."""
+    if attention_mask is None:
+        return None
+    cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)
+    return cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
+
+
 def _local_attention(query, layer, attention_mask, T: int, scale: float):
     """Attention of ``query`` [B, H_q, T, d] over every cached token of its heads (D = 1, or a
     cache held by head groups): one fused SDPA, no partial to merge."""
     key, value = layer.keys, layer.values
-    mask = None
-    if attention_mask is not None:
-        cols = attention_mask[:, 0, -T:, :].index_select(-1, layer.positions)  # [B, T, L]
-        keep = cols if cols.dtype == torch.bool else cols > torch.finfo(cols.dtype).min / 2
-        mask = keep[:, None]
+    keep = _kept_keys(attention_mask, layer, T)
+    mask = None if keep is None else keep[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=key.shape[1] != query.shape[1]
     )

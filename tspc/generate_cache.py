@@ -94,11 +94,14 @@ def _make_cache_types():
             owner = owner_of_next(self.counts)
             self.counts[owner] += 1
             if owner == self.rank:
-                self.keys = torch.cat([self.keys, keys], dim=-2)
-                self.values = torch.cat([self.values, values], dim=-2)
-                self.positions = torch.cat(
-                    [self.positions, torch.tensor([pos], device=self.positions.device)]
-                )
+                self._keep(keys, values, pos)
+
+        def _keep(self, keys: torch.Tensor, values: torch.Tensor, pos: int) -> None:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+            self.positions = torch.cat(
+                [self.positions, torch.tensor([pos], device=self.positions.device)]
+            )
 
         def append_by_heads(self, keys: torch.Tensor, values: torch.Tensor) -> None:
             """The new token's K/V of this rank's head group, on a cache held by head groups
@@ -106,11 +109,7 @@ def _make_cache_types():
             sharded (they give the sequence length; no rank reads them as its own)."""
             pos = self.get_seq_length()
             self.counts[owner_of_next(self.counts)] += 1
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
-            self.positions = torch.cat(
-                [self.positions, torch.tensor([pos], device=self.positions.device)]
-            )
+            self._keep(keys, values, pos)
 
         def crop(self, tokens_to_remove: int) -> None:
             raise GenerateUnsupportedError("tspc: a sequence-sharded cache cannot be cropped")

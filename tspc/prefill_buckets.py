@@ -71,13 +71,11 @@ def _grow(name: str, t: torch.Tensor, batch: int, length: int) -> torch.Tensor:
         return torch.cat([t, t[-1] + torch.arange(1, length - t.shape[0] + 1, device=t.device)])
     extra = length - t.shape[1]
     if extra:
-        if name == "input_ids":
-            tail = t[:, -1:].expand(-1, extra)
-        elif name == "attention_mask":
+        if name == "attention_mask":
             tail = torch.ones(t.shape[0], extra, dtype=t.dtype, device=t.device)
         elif name == "position_ids":
             tail = t[:, -1:] + torch.arange(1, extra + 1, dtype=t.dtype, device=t.device)
-        else:
+        else:  # ids, token types: the last one again
             tail = t[:, -1:].expand(-1, extra)
         t = torch.cat([t, tail], dim=1)
     if batch > t.shape[0]:

@@ -1,13 +1,13 @@
 """Measure this machine's constants with microbenchmarks only (``tspc plan --calibrate``).
 
 Nothing here runs a model or a step: GEMMs of several sizes, square and tall-skinny, with
-transposed operands as a backward has them (FLOP/s by FLOPs per call), an
-elementwise add of several sizes (bytes/s by bytes per call), one op on one element (the cost of
-an op call, ``op_overhead``), a view (dispatch cost), causal
-SDPA forward and backward at several head sizes (FLOP/s by head size), and, in ``devices`` gloo processes, each
-collective at several message sizes (α and bandwidth fitted per collective with the algorithm
-formulas of ``collectives.py``) and one all-reduce run under a GEMM loop (how much a transfer
-slows the compute it overlaps: ``overlap``). One intra-op thread per process, as
+transposed operands as a backward has them (FLOP/s by FLOPs per call), an elementwise add of
+several sizes (bytes/s by bytes per call), one op on one element (the cost of an op call,
+``op_overhead``), a view (dispatch cost), causal SDPA forward and backward at several head
+sizes (FLOP/s by head size), and, in ``devices`` gloo processes, each collective at several
+message sizes (α and bandwidth fitted per collective with the algorithm formulas of
+``collectives.py``) and one all-reduce run under a GEMM loop (how much a transfer slows the
+compute it overlaps: ``overlap``). One intra-op thread per process, as
 ``tspc.launch`` and ``bench/throughput.py`` run.
 """
 

@@ -2,7 +2,8 @@
 
 Roofline: a compute op takes ``max(FLOPs / rate, bytes / bandwidth) + overhead``, where the rate
 is the peak FLOP/s for its dtype times its class's efficiency (GEMM, attention) or a measured
-curve (GEMMs by FLOPs per call; attention forward and backward by head size), and the bandwidth the memory bandwidth times its efficiency or a measured curve.
+curve (GEMMs by FLOPs per call; attention forward and backward by head size), and the
+bandwidth the memory bandwidth times its efficiency or a measured curve.
 Views move nothing: they cost ``view_overhead`` (0 on the GPU presets; a CPU's dispatch time
 when calibrated); metadata queries (ops that return no tensor) cost nothing. This is the roofline of ``torch.distributed._tools.runtime_estimator``
 (``_roofline_estimate``: max of compute time from the FLOP counter and transfer time from the

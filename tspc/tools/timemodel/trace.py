@@ -88,18 +88,17 @@ def _nbytes(ts: Sequence[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
 
 
-def _attention_query(name: str, args: Sequence[Any]) -> torch.Tensor:
+def _attention_qk(name: str, args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention op's query and key (a backward takes the output's gradient first)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return tensors[1] if name.endswith("_backward") else tensors[0]
+    return (tensors[1], tensors[2]) if name.endswith("_backward") else (tensors[0], tensors[1])
 
 
 def attention_flops(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> float:
     """FLOPs of an attention op: 4·B·Hq·Sq·Sk·d for the forward (QK^T and PV), halved by a
     causal mask (``is_causal``, and tspc's zigzag kernel, whose D ranks together do one causal
     attention), times 2.5 for a backward."""
-    backward = name.endswith("_backward")
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
+    q, k = _attention_qk(name, args)
     b, hq, sq, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
     sk = k.shape[-2]
     causal = "zigzag" in name or bool(kwargs.get("is_causal"))
@@ -110,20 +109,12 @@ def attention_flops(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> f
     return ATTENTION[name] * 4.0 * b * hq * sq * sk * d * fraction
 
 
-def _zigzag(name: str):
-    def impl():
-        from tspc.ops import zigzag_attention
-
-        return getattr(zigzag_attention, name)
-
-    return impl
-
-
 # tspc ops recorded as the ops their implementation runs (pure local compute, written in
-# Python over ATen: on fake tensors they run as they would for real)
+# Python over ATen: on fake tensors they run as they would for real): op name -> the function
+# of ``tspc/ops/zigzag_attention.py`` that implements it, with the op's arguments in order
 EXPANDED = {
-    "zigzag_causal_attention": _zigzag("_forward"),
-    "zigzag_causal_attention_backward": _zigzag("_attention_backward"),
+    "zigzag_causal_attention": "_forward",
+    "zigzag_causal_attention_backward": "_attention_backward",
 }
 
 
@@ -161,8 +152,10 @@ class OpRecorder(TorchDispatchMode):
                 args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
                 for i, a in enumerate(schema)
             ]
+            from tspc.ops import zigzag_attention
+
             with self:
-                expand()(*positional)
+                getattr(zigzag_attention, expand)(*positional)
             return out
         self.record(func, args, kwargs, out)
         return out
@@ -207,7 +200,7 @@ class OpRecorder(TorchDispatchMode):
         nbytes = _nbytes(ins) + _nbytes(outs)
         if name in ATTENTION:
             flops = attention_flops(name, args, kwargs)
-            head_dim = int(_attention_query(name, args).shape[-1])
+            head_dim = int(_attention_qk(name, args)[0].shape[-1])
             self.ops.append(
                 Op(name, "compute", "attention", flops, nbytes, dtype, head_dim=head_dim)
             )
