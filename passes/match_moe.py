@@ -43,6 +43,7 @@ from .graph_utils import (
 )
 from .held_whole import size_fix
 from .match_attention import Skip, failed
+from .match_moe_dense import DenseNoMatch, match_dense
 
 GROUPED_MM = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")
 _TRANSPOSES = ("transpose", "t", "permute", "contiguous")
@@ -70,6 +71,10 @@ class MoeMatch:
     hidden: int
     intermediate: int
     activation: str = ""  # the chain's code, once copied out (passes/rewrite_moe.py)
+    # "sorted": pairs sorted by expert, outputs scaled by ``weights`` (N k router weights);
+    # "dense": every expert on every token (``match_moe_dense``): ``weights`` is the [N, E]
+    # scores scaling the experts' input, ``ids`` the [N, k] top-k they were written at
+    form: str = "sorted"
 
 
 class _NoMatch(Exception):
@@ -127,11 +132,10 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
     """The experts computation applying the stacked weights ``w_a`` and ``w_b``."""
     found = [_grouped_mm_of(w_a), _grouped_mm_of(w_b)]
     if None in found:
-        raise _NoMatch(
-            "the stacked experts are not applied by a grouped matmul over tokens sorted by "
-            "expert (Llama-4 runs every expert on every token with bmm, its router scores "
-            "scaling the experts' input): no expert-parallel form"
-        )
+        try:
+            return match_dense(w_a, w_b, params)
+        except DenseNoMatch as e:
+            raise _NoMatch(str(e)) from e
     (mm_a, o_a), (mm_b, o_b) = found
     first, second = ((w_a, mm_a, o_a), (w_b, mm_b, o_b))
     if mm_b < mm_a:

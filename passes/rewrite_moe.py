@@ -78,17 +78,35 @@ def collapse_moe(gm: fx.GraphModule, m: MoeMatch, chains: dict) -> fx.Node:
         digest = hashlib.sha1(chain.code.encode()).hexdigest()[:10]
         key = register_chain(f"moe#{digest}", chain, chains)
         out_dtype = tensor_val(m.mm2).dtype
-        args = (m.x, m.ids, m.w1, m.w2, key, m.orient, m.experts, out_dtype, 0, 1, "", m.module)
+        x, ids = m.x, m.ids
+        if m.form == "dense":
+            # each pair's row is its token's hidden state scaled by its expert's score, as
+            # the model's own x[n] * s[n, e] (same op, same dtypes): the experts' input
+            pair_scores = g.call_function(torch.gather, (m.weights, 1, m.ids))
+            scaled_rows = g.call_function(
+                torch.mul,
+                (
+                    g.call_function(torch.unsqueeze, (m.x, 1)),
+                    g.call_function(torch.unsqueeze, (pair_scores, -1)),
+                ),
+            )
+            x = g.call_function(torch.reshape, (scaled_rows, (-1, m.hidden)))
+            ids = g.call_function(torch.reshape, (m.ids, (-1,)))
+        args = (x, ids, m.w1, m.w2, key, m.orient, m.experts, out_dtype, 0, 1, "", m.module)
         res = g.call_function(torch.ops.tspc.moe_experts.default, args)
         res.meta["tspc_role"] = "moe_experts"
         for meta in ("recompute", "ac_graph_id", "nn_module_stack"):
             if meta in m.out.meta:
                 res.meta[meta] = m.out.meta[meta]
-        w = g.call_function(torch.reshape, (m.weights, (-1, 1)))
-        scaled = g.call_function(torch.mul, (res, w))
+        if m.form == "dense":
+            scaled, w_dtype = res, out_dtype
+        else:
+            w = g.call_function(torch.reshape, (m.weights, (-1, 1)))
+            scaled = g.call_function(torch.mul, (res, w))
+            w_dtype = tensor_val(m.weights).dtype
         grouped = g.call_function(torch.reshape, (scaled, (-1, m.top_k, m.hidden)))
         y = g.call_function(torch.sum, (grouped,), {"dim": 1})
-        if tensor_val(m.out).dtype != torch.promote_types(out_dtype, tensor_val(m.weights).dtype):
+        if tensor_val(m.out).dtype != torch.promote_types(out_dtype, w_dtype):
             y = g.call_function(torch.Tensor.to, (y, tensor_val(m.out).dtype))
     m.out.replace_all_uses_with(y)
     _erase_region(g, m)

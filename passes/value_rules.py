@@ -24,7 +24,9 @@ def ring_mlp_value(x, w_in, b_in, w_down, chain, orient, *rest, **options):
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *w_in, *b_in, w_down)
     )
-    return out.requires_grad_(needs_grad)
+    # not a leaf when it needs a gradient: the model may add into it in place (Llama-4 adds
+    # its routed experts into the shared expert's output), which autograd refuses on a leaf
+    return out.requires_grad_(True).clone() if needs_grad else out
 
 
 VALUE_RULES: dict[Any, Callable[..., Any]] = {ring_mlp: ring_mlp_value}

@@ -394,3 +394,11 @@ def mark_static(t: torch.Tensor, dim: int) -> None:
     """Keep ``t``'s ``dim`` a constant in Dynamo's traces, also after it changed between calls
     (``torch._dynamo.mark_static``: no automatic dynamic size there)."""
     torch._dynamo.mark_static(t, dim)
+
+
+def is_inductor_codegen_error(error: BaseException) -> bool:
+    """Whether ``error`` is Inductor's own failure to lower or generate code for a graph
+    (``torch._inductor.exc.InductorError``), as opposed to one raised by a pass of ours."""
+    from torch._inductor.exc import InductorError
+
+    return isinstance(error, InductorError)

@@ -13,6 +13,8 @@ that flag for the call, as transformers' own expert parallelism does."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -34,9 +36,46 @@ def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(start + size, num_experts)
 
 
+def takes_routing(module: nn.Module) -> bool:
+    """The experts module's ``forward`` takes the routing (``hidden_states, top_k_index,
+    top_k_weights``); Llama-4's takes only ``[E N, h]`` rows, every expert's copy of every
+    token (expert-major), already scaled by its score."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return len(params) >= 2
+
+
+def every_expert_hooks(module: nn.Module, comm, fqn: str) -> list:
+    """Hooks for an experts module run on every expert's rows (Llama-4): this rank runs its
+    slice's rows ``[start N, stop N)`` and the ``[E N, h]`` output, zero in the other experts'
+    rows, is summed over ranks (one all-reduce of E N h values: every expert's rows are
+    needed by the block's own sum over experts after it). Exact: each row is one rank's."""
+    total = module.num_experts
+    start, stop = expert_range(total, comm.rank, comm.world)
+
+    tokens = [0]  # N of the current call
+
+    def narrow(m, args):
+        rows = args[0]
+        tokens[0] = n = rows.shape[0] // total
+        return (rows[start * n : stop * n], *args[1:])
+
+    def reduce(m, args, out, tag=f"decode:{fqn}"):
+        n = tokens[0]
+        full = out.new_zeros((total * n, *out.shape[1:]))
+        full[start * n : stop * n] = out
+        return comm.all_reduce(full, tag)
+
+    return [module.register_forward_pre_hook(narrow), module.register_forward_hook(reduce)]
+
+
 def local_experts_hooks(module: nn.Module, comm, fqn: str) -> list:
     """Hooks that run ``module`` (holding this rank's slice) on this rank's experts only and
     sum the output over ranks."""
+    if not takes_routing(module):
+        return every_expert_hooks(module, comm, fqn)
     total = module.num_experts
     start, stop = expert_range(total, comm.rank, comm.world)
 

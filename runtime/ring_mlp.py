@@ -118,11 +118,10 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_down, spec, rank, world, group, tag, *ins):
         shards = [*ins[: len(spec[2])], w_down, *ins[len(spec[2]) :]]  # ups, down, up biases
-        x2 = x.reshape(-1, x.shape[-1])
-        y, saved = _ring_forward(x2, shards, spec, world, group, tag)
+        y, saved = _ring_forward(x, shards, spec, world, group, tag)
         ctx.save_for_backward(x, *shards, *saved)
         ctx.meta = (len(shards), spec, world, group, tag)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -401,7 +400,11 @@ def ring_mlp(
         raise ValueError(f"ring_mlp: hop_chunks must be an int >= 1, got {hop_chunks!r}")
     spec = (chain, orient, has_bias, bool(save_projections), hop_chunks)
     ins = [*w_in, *(b for b in b_in if b is not None)]
-    return RingMLP.apply(x, w_down, spec, rank, world, group, tag, *ins)
+    # the Function sees rows ([tokens, features]) and returns its own tensor, not a view: the
+    # model may add into the output in place (Llama-4's shared expert), which autograd forbids
+    # on a view made inside a Function; the reshapes here are ordinary autograd views
+    y = RingMLP.apply(x.reshape(-1, x.shape[-1]), w_down, spec, rank, world, group, tag, *ins)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 __all__ = ["ring_mlp", "RingMLP", "register_chain", "chain_of", "ring_hop"]

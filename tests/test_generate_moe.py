@@ -27,7 +27,10 @@ def moe_generate_worker(rank: int, world: int, cases: list) -> list[dict]:
     for family, extra in cases:
         torch.compiler.reset()
         ref = build_moe(family, use_cache=True, **extra).eval()
-        cm = torch.compile(build_moe(family, use_cache=True, **extra).eval(), backend="tsp")
+        cm = torch.compile(
+            build_moe(family, use_cache=True, **extra).eval(),
+            backend="tsp",
+        )
         tspc.enable_generate(cm)
         try:
             got = _generate(cm)

@@ -46,6 +46,14 @@ MOE_FAMILIES: dict[str, dict] = {
     # second choice's softmax runs after a no_grad block: layer 0's router gradient checks
     # that the schedule keeps it there (tests/test_schedule_grad_mode.py, issue 27)
     "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+    # every expert on every token by bmm, the sigmoid scores scaling the experts' input, a
+    # shared expert the routed output is added into in place (passes/match_moe_dense.py)
+    "llama4_text": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 64,
+    },
 }
 
 

@@ -164,6 +164,11 @@ def _compile_static(
         # inner compile runs at the first backward (``AotGraphs.compile_seconds["backward"]``)
         event.seconds["aot+forward"] = time.perf_counter() - t1
     compiles.record(event)
+    for failure in COMPILED[-1].aot.inductor_failures:
+        report.notes.append(
+            f"Inductor failed on the rewritten {failure}; that graph runs the same schedules "
+            "with its local compute unfused (as inner='aot_eager')"
+        )
     if opts.dump_dir:
         # Writes the dump now; the wrapper rewrites it after the first call and around the
         # first backward (measured counters, the backward graph): see tspc/dump.py.

@@ -48,6 +48,12 @@ class FallbackWarning(UserWarning):
     and what memory it costs."""
 
 
+class InductorFallbackWarning(FallbackWarning):
+    """Inductor failed to generate code for one of tspc's rewritten aot graphs (a bug in
+    torch's lowering or codegen): that graph runs the TSP schedules with its local compute
+    unfused, as ``inner="aot_eager"`` would (``tspc/inner.py``)."""
+
+
 class GatheredWeightsWarning(FallbackWarning):
     """A graph compiled after an earlier one sharded and released some weights reads them
     whole: it runs, gathering each from its owners at every call (``tspc/later_graphs.py``).

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,10 +50,11 @@ from tspc.runtime.comm import is_transfer
 from tspc.runtime.compat import (
     autograd_cache_off,
     eager_backward_compile,
+    is_inductor_codegen_error,
     partitioner_without_cse,
 )
 
-from .errors import REPORT_HINT, PartitionerTagError
+from .errors import REPORT_HINT, InductorFallbackWarning, PartitionerTagError
 from .options import TSPOptions
 from .pipeline import (
     AOT_GRAPH_PIPELINE,
@@ -253,6 +255,8 @@ class AotGraphs:
     # seconds spent in the inner compiler per graph ("forward", "backward"), added to the
     # compile record of this graph (``tspc/compiles.py``); shared with the report
     compile_seconds: dict[str, float] = field(default_factory=dict)
+    # "forward: InductorError: ..." for each graph Inductor failed on (run unfused instead)
+    inductor_failures: list[str] = field(default_factory=list)
     # with a dump: (graph label, [(pass name, code)]) for the joint graph and each forward and
     # backward graph, the code before the first pass of its phase and after each pass
     snapshots: list[tuple[str, list[tuple[str, str]]]] = field(default_factory=list)
@@ -300,6 +304,30 @@ class _LateBackwardHook:
         return self.fn(args)
 
 
+def _inductor_or_none(g: fx.GraphModule, ex, kind: str, graphs: AotGraphs) -> Callable | None:
+    """Inductor's code for one aot graph, or None where Inductor itself failed to generate it
+    (``InductorError``: a lowering or codegen bug in torch, not in a pass of ours): that graph's
+    local compute then runs as aot_eager runs it - the same schedule, collectives in the same
+    order, only the elementwise kernels unfused - rather than the whole model losing TSP to a
+    plain compile. The warning and the report (``AotGraphs.inductor_failures``) say so."""
+    try:
+        return compile_with_inductor(g, ex, is_backward=kind == "backward")
+    except Exception as e:
+        if not is_inductor_codegen_error(e):
+            raise
+        what = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        graphs.inductor_failures.append(f"{kind}: {what}")
+        warnings.warn(
+            f"tspc: Inductor failed to compile the rewritten {kind} graph ({what}); it runs with "
+            "the TSP schedules unchanged, its local compute as aot_eager runs it (unfused). "
+            f"The numbers are unchanged; {REPORT_HINT}.",
+            InductorFallbackWarning,
+            stacklevel=2,
+        )
+        compile_log.info("tspc: Inductor failed on the %s graph", kind, exc_info=e)
+        return None
+
+
 def compile_inner(
     gm: fx.GraphModule, example_inputs: list[Any], opts: TSPOptions, graphs: AotGraphs
 ) -> Callable:
@@ -331,15 +359,16 @@ def compile_inner(
                 graphs.snapshots.append((kind if not gms else f"{kind}_{len(gms)}", snapshots))
             (graphs.forward if kind == "forward" else graphs.backward).append(g.code)
             gms.append(g)
+            fn = None
             if opts.inner == "inductor":
-                fn = compile_with_inductor(g, ex, is_backward=kind == "backward")
+                fn = _inductor_or_none(g, ex, kind, graphs)
                 code = getattr(fn, "source_code", None)
                 if code is not None:
                     if kind == "forward":
                         graphs.forward_inductor_code.append(code)
                     else:
                         graphs.backward_inductor_code.append(code)
-            else:
+            if fn is None:
                 fn = make_boxed_func(g.forward)
             if kind == "backward":
                 fn = _LateBackwardHook(fn, graphs)  # dump hook, see AotGraphs

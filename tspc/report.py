@@ -142,6 +142,8 @@ class CompileReport:
             lines.append(f"  mask ({m['module'] or m['sdpa']}): {state}: {m['detail']}")
         for f in self.fallbacks:
             lines.append(f"  fallback: {f}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
         for w in self.gathered_weights:
             lines.append(f"  gathered per call: {w['weight']} ({w['recv_bytes']} bytes received)")
         if self.gathers:
