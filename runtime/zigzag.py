@@ -84,6 +84,12 @@ def zigzag_slice(
     with copies of its last token."""
     if world == 1:
         return x
+    if x.dtype == torch.bool:
+        # through uint8: Inductor (torch 2.13, CPU) may hold a bool value computed from
+        # integers as an int64 buffer, and a cat of that buffer then feeds a vectorised
+        # ``where`` an int64 mask, which its code generation rejects (Llama-4's padded chunked
+        # mask); the comparison gives Inductor a bool buffer again, the values are the same
+        return zigzag_slice(x.to(torch.uint8), dim, rank, world, outer, inner, padded) != 0
     y, dim = _split3(x, dim, outer, inner)
     n = y.shape[dim + 1]
     if padded is not None and padded > n:

@@ -107,7 +107,7 @@ def test_inductor_inner_matches_one_process(world):
 
 
 def inductor_fails_worker(rank: int, world: int) -> dict:
-    """Inductor raising its own error on the backward graph (as torch 2.13's CPU codegen does
+    """Inductor raising its own error on the backward graph (as torch 2.13's CPU codegen did
     on Llama-4's padded chunked mask): that graph runs unfused, the forward stays Inductor's."""
     import warnings
 

@@ -214,6 +214,7 @@ def _zoo_case(case: tuple[str, str, int, bool, int]) -> dict:
         "err": ((got[valid] - expected[valid]).abs().max() / expected[valid].abs().max()).item(),
         "level": rep.level,
         "fallbacks": list(rep.fallbacks),
+        "notes": list(rep.notes),
         "entries": [(e.kind, e.module, e.status, e.reason) for e in rep.entries],
         "layers": cfg.num_hidden_layers,
         # bytes each matched module received, counted by the runtime as they arrived,
@@ -259,8 +260,14 @@ def _sample_cases(world: int) -> list[tuple[str, str, int, bool, int]]:
     out = []
     for i, family in enumerate(FAMILIES):
         full = [c for c in _full_cases(world, layers=1) if c[0] == family]
-        out.append(full[i % 2])
+        out.append(full[0 if family in SAMPLE_FIRST_RUN else i % 2])
     return out
+
+
+# Families whose suite sample is always the first run (at D = 2: SDPA, left padding, length 17),
+# where a bug was met: Llama-4's padded chunked mask made Inductor's CPU code generation fail
+# (runtime/zigzag.py's bool slicing works around it; the judge fails on an Inductor failure).
+SAMPLE_FIRST_RUN = {"llama4_text"}
 
 
 def _problems(r: dict) -> list[str]:
@@ -283,6 +290,8 @@ def judge(r: dict, gaps: dict[str, str], unlisted: tuple[str, ...] = ()) -> list
         bad.append(f"bytes received {r['measured']} != predicted {r['predicted']}")
     if r["level"] != "tsp" or r["fallbacks"]:
         bad.append(f"ran {r['level']!r}, fallbacks {r['fallbacks']}")
+    # a graph Inductor could not compile runs unfused (tspc/inner.py): numbers right, still a bug
+    bad += [n for n in r.get("notes", []) if n.startswith("Inductor failed")]
     for kind in ("attention", "mlp"):
         entries = [e for e in r["entries"] if e[0] == kind]
         if not entries and kind in unlisted:
