@@ -1,4 +1,4 @@
-"""Per-rank peak memory of a mixture-of-experts model: one process vs TSP vs TP+EP, measured.
+"""Per-rank peak memory of a mixture-of-experts model: one process vs TSP, TP+SP and TP+EP, measured.
 
     python bench/memory_moe.py                 # training step, D = 2 and 4
     python bench/memory_moe.py --quick         # tiny shapes, seconds per row (the test's run)
@@ -13,6 +13,9 @@ started before the model is built; two warm-up steps, the third measured):
 * ``TSP``: ``torch.compile(model, backend="tsp", options={"inner": "aot_eager"})``: attention
   and experts 1/D per rank on one axis, tokens 1/D, the pairs routed by all-to-all
   (``docs/moe.md``).
+* ``TP+SP``: Megatron-SP with tensor-parallel experts (``tspc/tools/baselines_moe.py``'s
+  ``build_tp_sp``: S/D tokens between the blocks, attention heads / D, every expert's
+  intermediate dim / D, reduce-scatters back to the tokens), compiled with ``aot_eager``.
 * ``TP+EP``: the hand-written baseline of ``tspc/tools/baselines_moe.py`` (torch's
   ``ColwiseParallel`` / ``RowwiseParallel`` on the attention, each rank's E/D experts on every
   token, one all-reduce per MoE layer), compiled with ``aot_eager``.
@@ -21,8 +24,6 @@ Every row also prints the loss of its measured (third) step: both parallel rows 
 one-process loss (``loss vs one`` column, the largest relative difference over ranks) — a row
 that trains a different model would not be a baseline.
 
-Left out: TP+SP with the experts split by their intermediate dim (the dense baselines'
-``build_tp_sp`` has no MoE form yet).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ QUICK = MoeConfig(
 def schemes(devices: tuple[int, ...]) -> list[Scheme]:
     rows = [Scheme("one_aot", "one process (aot_eager)", 1)]
     for d in devices:
-        rows += [Scheme("tsp", "TSP", d), Scheme("tp_ep", "TP+EP", d)]
+        rows += [Scheme("tsp", "TSP", d), Scheme("tp_sp", "TP+SP", d), Scheme("tp_ep", "TP+EP", d)]
     return rows
 
 
@@ -104,7 +105,7 @@ class Job:
 
 
 def _build(job: Job) -> tuple[torch.nn.Module, Any]:
-    from tspc.tools.baselines_moe import build_tp_ep
+    from tspc.tools.baselines_moe import build_tp_ep, build_tp_sp
     from tspc.tools.fake_moe import build_moe_model
     from tspc.tools.measure import LossModel
 
@@ -113,6 +114,8 @@ def _build(job: Job) -> tuple[torch.nn.Module, Any]:
         return model, torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
     if job.scheme == "tp_ep":
         build_tp_ep(model.model.model)
+    elif job.scheme == "tp_sp":
+        build_tp_sp(model.model.model)
     return model, torch.compile(model, backend="aot_eager")
 
 
@@ -138,7 +141,11 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
         model, step = _build(job)
 
         def make_optimizer():
-            params = param_groups(model) if job.scheme == "tp_ep" else list(model.parameters())
+            params = (
+                param_groups(model)
+                if job.scheme in ("tp_ep", "tp_sp")
+                else list(model.parameters())
+            )
             return torch.optim.AdamW(params, lr=1e-3)
 
         optimizer = warm_up(step, ids, targets, job.mode, WARMUP_STEPS, make_optimizer)
@@ -201,9 +208,11 @@ def format_table(config: MoeConfig, mode: str, rows: list) -> str:
             + "  ".join([c[0].ljust(widths[0])] + [x.rjust(w) for x, w in zip(c[1:], widths[1:])])
         )
     for d in sorted({r.devices for r, _, _ in rows if r.devices > 1}):
-        tsp = next(r for r, _, _ in rows if r.key == "tsp" and r.devices == d)
-        tpep = next(r for r, _, _ in rows if r.key == "tp_ep" and r.devices == d)
-        lines.append(f"  D={d}: TSP / TP+EP peak = {tsp.peak / tpep.peak:.2f}")
+        by = {r.key: r for r, _, _ in rows if r.devices == d}
+        lines.append(
+            f"  D={d}: TSP / TP+SP peak = {by['tsp'].peak / by['tp_sp'].peak:.2f}, "
+            f"TSP / TP+EP peak = {by['tsp'].peak / by['tp_ep'].peak:.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
-"""The mixture-of-experts baseline of the memory benchmark: TP + EP, written by hand with torch's
-own APIs, the way a user without tspc parallelises a transformers MoE model over D ranks
-(``bench/memory_moe.py`` measures it against one process and TSP).
+"""The mixture-of-experts baselines of the memory benchmark, written by hand with torch's own
+APIs, the ways a user without tspc parallelises a transformers MoE model over D ranks
+(``bench/memory_moe.py`` measures them against one process and TSP).
+
+``build_tp_ep``:
 
 * **Attention: tensor parallel** (``parallelize_module``): ``ColwiseParallel`` for q/k/v,
   ``RowwiseParallel`` for o — transformers' own ``base_model_tp_plan`` for these families.
@@ -15,8 +17,22 @@ own APIs, the way a user without tspc parallelises a transformers MoE model over
   are all-reduced (Megatron's f / g pair: ``_SumForward`` / ``_SumBackward``).
 * Embeddings, norms, routers and the LM head are replicated, as in tspc.
 
-The optimizer sees DTensors (attention) and plain tensors (the rest): ``param_groups`` keeps
-them apart, as for the dense baselines.
+``build_tp_sp``: Megatron-SP with the experts tensor-parallel (Megatron's MoE without EP):
+
+* between the blocks every rank holds S/D tokens of the residual stream (contiguous chunks;
+  ``SequenceParallel`` norms); attention all-gathers the tokens, runs its heads / D and
+  reduce-scatters after o (torch's ``PrepareModuleInput`` / ``RowwiseParallel(output_layouts=
+  Shard(1))``);
+* the MoE block all-gathers the tokens too; the router runs on all of them (replicated), every
+  expert holds its 1/D slice of the intermediate dim (``gate_up_proj`` rows of gate and of up,
+  ``down_proj`` columns), so each rank's expert outputs are partial sums over F, reduce-scattered
+  back to the rank's tokens (``_ReduceScatterTokens``); the experts' input gradients are
+  all-reduced (``_SumBackward``), the router's are whole on every rank already;
+* the embedding, the final norm's weight and the LM head are replicated; the final norm's
+  output is all-gathered before the LM head. The sequence length must be divisible by D.
+
+The optimizer sees DTensors (attention, norms) and plain tensors (the rest): ``param_groups``
+keeps them apart, as for the dense baselines.
 """
 
 from __future__ import annotations
@@ -25,12 +41,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from tspc.runtime.decode_moe import expert_range
 from tspc.tools.baselines import default_mesh
 
-__all__ = ["build_tp_ep"]
+__all__ = ["build_tp_ep", "build_tp_sp"]
 
 
 class _SumForward(torch.autograd.Function):
@@ -134,4 +157,99 @@ def build_tp_ep(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
     parallelize_module(model, mesh, plan)
     for _, m in experts:
         _keep_own_experts(m, rank, world)
+    return model
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """``[B, S, h]`` partial sums -> this rank's ``[B, S/D, h]`` tokens, summed over ranks;
+    backward all-gathers the tokens' gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, world: int) -> torch.Tensor:
+        ctx.world = world
+        moved = x.movedim(1, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
+        dist.reduce_scatter_tensor(out, moved)
+        return out.movedim(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        moved = grad.movedim(1, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] * ctx.world, *moved.shape[1:]))
+        dist.all_gather_into_tensor(out, moved)
+        return out.movedim(0, 1), None
+
+
+def _split_experts_by_f(module: nn.Module, rank: int, world: int) -> None:
+    """Keep this rank's 1/D of every expert's intermediate dim: ``gate_up_proj`` ``[E, 2F, h]``
+    (gate rows, then up rows: each sliced, so ``chunk(2)`` still splits gate from up) and
+    ``down_proj`` ``[E, h, F]``; the experts' input gradients are partial per rank."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    f = down.shape[-1]
+    if f % world:
+        raise ValueError(f"TP+SP needs the experts' intermediate size {f} divisible by {world}")
+    c = f // world
+    rows = torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), f + torch.arange(rank * c, (rank + 1) * c)]
+    )
+    module.gate_up_proj = nn.Parameter(gate_up.detach()[:, rows].clone())
+    module.down_proj = nn.Parameter(down.detach()[..., rank * c : (rank + 1) * c].clone())
+
+    def route(m, args):
+        hidden, index, weights = args
+        return _SumBackward.apply(hidden), index, _SumBackward.apply(weights)
+
+    module.register_forward_pre_hook(route)
+
+
+def build_tp_sp(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Megatron-SP attention + tensor-parallel experts version of a transformers Mixtral-style
+    causal LM (``model.model.layers[i].self_attn`` / ``.mlp.experts``; in place; returns it).
+    Same weights and the same full ``input_ids`` on every rank in, the same full logits out."""
+    mesh = mesh if mesh is not None else default_mesh()
+    world, rank = mesh.size(), mesh.get_local_rank()
+    cfg = model.config
+    if cfg.num_attention_heads % world or cfg.num_key_value_heads % world:
+        raise ValueError(
+            f"tensor parallelism over {world} ranks needs the attention heads "
+            f"({cfg.num_attention_heads}) and key/value heads ({cfg.num_key_value_heads}) "
+            f"divisible by {world}"
+        )
+    seq = Shard(1)
+    plan: dict = {
+        # the decoder stack's input cut to this rank's tokens (a local slice; the mask and the
+        # RoPE tables were built from the whole embedding output, for the whole sequence)
+        "model.layers.0": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
+        ),
+        "model.norm": SequenceParallel(use_local_output=True),
+        "lm_head": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update(
+            {
+                p + "input_layernorm": SequenceParallel(),
+                p + "self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": seq},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
+                p + "self_attn.q_proj": ColwiseParallel(),
+                p + "self_attn.k_proj": ColwiseParallel(),
+                p + "self_attn.v_proj": ColwiseParallel(),
+                p + "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+                p + "post_attention_layernorm": SequenceParallel(),
+                p + "mlp": PrepareModuleInput(
+                    input_layouts=(seq,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            }
+        )
+    parallelize_module(model, mesh, plan)
+    for layer in model.model.layers:
+        _split_experts_by_f(layer.mlp.experts, rank, world)
+        layer.mlp.register_forward_hook(lambda m, a, out: _ReduceScatterTokens.apply(out, world))
     return model
