@@ -26,8 +26,6 @@ A block that does not fit is reported as skipped with the reason (``find_moe_blo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
@@ -44,37 +42,12 @@ from .graph_utils import (
 from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .match_moe_dense import DenseNoMatch, match_dense
+from .moe_match import MoeMatch
 
 GROUPED_MM = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")
 _TRANSPOSES = ("transpose", "t", "permute", "contiguous")
 _SORT_PATH = ("cumsum", "histc", "bincount", "to", "float", "getitem", "sort", "int", "long")
 _CASTS = ("to", "float", "contiguous", "type_as", "bfloat16", "half")
-
-
-@dataclass
-class MoeMatch:
-    module: str  # the MoE block (the module holding the experts' module)
-    x: fx.Node  # [N, h] hidden states
-    ids: fx.Node  # [N k] expert id per pair
-    weights: fx.Node  # N k router weights, pair order
-    w1: fx.Node  # stacked first weight [E, ., .] (gate_up or up)
-    w2: fx.Node  # stacked second weight [E, ., .] (down)
-    orient: str  # "t"/"n" per weight: x @ W_e^T (stored [out, in]) or x @ W_e
-    chain: list[fx.Node]  # row-wise ops from the first matmul's output to the second's input
-    mm1: fx.Node
-    mm2_input: fx.Node
-    mm2: fx.Node
-    out: fx.Node  # y: [N, h]
-    region: set[fx.Node]  # the nodes the rewrite replaces (erased once unused)
-    experts: int
-    top_k: int
-    hidden: int
-    intermediate: int
-    activation: str = ""  # the chain's code, once copied out (passes/rewrite_moe.py)
-    # "sorted": pairs sorted by expert, outputs scaled by ``weights`` (N k router weights);
-    # "dense": every expert on every token (``match_moe_dense``): ``weights`` is the [N, E]
-    # scores scaling the experts' input, ``ids`` the [N, k] top-k they were written at
-    form: str = "sorted"
 
 
 class _NoMatch(Exception):

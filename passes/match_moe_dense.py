@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import module_fqn_of_param, op_name, shape, tensor_inputs, val
+from .moe_match import MoeMatch
 
 BMM = ("bmm", "matmul")
 _FILLS = {"full_like": 1, "new_full": 2, "full": 1}
@@ -214,8 +215,6 @@ def _expert_sum(mm2: fx.Node, n_tok: int, hidden: int) -> tuple[fx.Node, list[fx
 def match_dense(w_a: fx.Node, w_b: fx.Node, params):
     """The every-expert, input-scaled experts computation (module docstring) applying the
     stacked ``w_a`` and ``w_b``, as the ``MoeMatch`` of its top-k form."""
-    from .match_moe import MoeMatch
-
     mm_a, mm_b = bmm_of(w_a), bmm_of(w_b)
     if mm_a is None or mm_b is None:
         raise DenseNoMatch(
