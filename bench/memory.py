@@ -429,13 +429,7 @@ def format_table(table: Table) -> str:
         "x(one/D): peak / (one-process peak / D)",
     ]
     headers = ["scheme", "D", "peak", "x one", "x(one/D)"] + [c for c, _ in COLUMNS]
-    rows = []
-    for r in table.rows:
-        parts = dict(r.parts)
-        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
-        cells = [r.label, str(r.devices), f"{r.peak / MB:.2f}", *_ratios(r, ref)]
-        cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
-        rows.append(cells)
+    rows = [row_cells(r, ref) for r in table.rows]
     widths = [max(len(x[i]) for x in [headers, *rows]) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
@@ -478,18 +472,26 @@ def _devices_in(table: Table) -> list[int]:
     return sorted({r.devices for r in table.rows if r.devices > 1})
 
 
-def markdown_table(table: Table) -> str:
-    """The same table as GitHub markdown (for docs/memory.md)."""
-    ref = table.reference_or_none
+def row_cells(row: Row, ref: Row | None) -> list[str]:
+    """One row's cells: scheme, D, peak, the two ratios to ``ref``, then ``COLUMNS`` (in MB;
+    parameters with buffers and shards)."""
+    parts = dict(row.parts)
+    parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
+    cells = [row.label, str(row.devices), f"{row.peak / MB:.2f}", *_ratios(row, ref)]
+    return cells + [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
+
+
+def markdown_rows(rows: list[Row], ref: Row | None) -> str:
+    """Rows as a GitHub markdown table (scheme, D, peak, ratios, ``COLUMNS``)."""
     head = "| scheme | D | peak MB | x one | x(one/D) | " + " | ".join(c for c, _ in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (5 + len(COLUMNS))]
-    for r in table.rows:
-        parts = dict(r.parts)
-        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
-        cells = [r.label, str(r.devices), f"{r.peak / MB:.2f}", *_ratios(r, ref)]
-        cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["| " + " | ".join(row_cells(r, ref)) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def markdown_table(table: Table) -> str:
+    """The same table as GitHub markdown (for docs/memory.md)."""
+    return markdown_rows(table.rows, table.reference_or_none)
 
 
 # --------------------------------------------------------------------------------------------

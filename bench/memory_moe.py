@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch
 
-from bench.memory import COLUMNS, MB, WARMUP_STEPS, Scheme, _ratios, make_row
+from bench.memory import COLUMNS, MB, WARMUP_STEPS, Scheme, make_row, markdown_rows, row_cells
 
 
 @dataclass(frozen=True)
@@ -193,14 +193,9 @@ def format_table(config: MoeConfig, mode: str, rows: list) -> str:
     headers = ["scheme", "D", "peak", "x one", "x(one/D)", "loss vs one"] + [c for c, _ in COLUMNS]
     cells = []
     for row, losses, _ in rows:
-        parts = dict(row.parts)
-        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
         diff = max(abs(x - ref_loss) / abs(ref_loss) for x in losses)
-        cells.append(
-            [row.label, str(row.devices), f"{row.peak / MB:.2f}", *_ratios(row, ref)]
-            + [f"{diff:.1e}"]
-            + [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
-        )
+        own = row_cells(row, ref)
+        cells.append([*own[:5], f"{diff:.1e}", *own[5:]])  # the loss after the ratios
     widths = [max(len(x[i]) for x in [headers, *cells]) for i in range(len(headers))]
     for c in [headers, *cells]:
         lines.append(
@@ -217,18 +212,7 @@ def format_table(config: MoeConfig, mode: str, rows: list) -> str:
 
 
 def markdown(rows: list) -> str:
-    ref = rows[0][0]
-    lines = [
-        "| scheme | D | peak MB | x one | x(one/D) | " + " | ".join(c for c, _ in COLUMNS) + " |"
-    ]
-    lines.append("|" + "---|" * (5 + len(COLUMNS)))
-    for row, _, _ in rows:
-        parts = dict(row.parts)
-        parts["parameters"] = parts.get("parameters", 0.0) + parts.get("buffers", 0.0)
-        cells = [row.label, str(row.devices), f"{row.peak / MB:.2f}", *_ratios(row, ref)]
-        cells += [f"{parts.get(k, 0.0) / MB:.2f}" for _, k in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_rows([row for row, _, _ in rows], rows[0][0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,11 +171,5 @@ def fill_padding(
     valid = local_valid(n, rank, world, x.device)
     shape = [1] * y.dim()
     shape[d + 1] = valid.numel()
-    valid = valid.view(shape)
-    if y.dtype == torch.bool:
-        # logic, not ``where``: Inductor's vectorised CPU code for a ``where`` over bools
-        # asserts on its mask (torch 2.13, Llama-4's padded chunked mask) - the same values
-        y = (y | ~valid) if value else (y & valid)
-        return y.flatten(d, d + 2)
     fill = torch.full((), value, dtype=y.dtype, device=y.device)
-    return torch.where(valid, y, fill).flatten(d, d + 2)
+    return torch.where(valid.view(shape), y, fill).flatten(d, d + 2)

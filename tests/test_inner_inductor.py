@@ -15,14 +15,10 @@ from tests.helpers import check_transfers_keep_overlap, grad_error
 from tspc.launch import spawn
 
 
-def inductor_worker(rank: int, world: int) -> dict:
-    from torch._inductor import config as inductor_config
-
-    import tspc
+def _reference_step(world: int):
+    """Two copies of the reference model, a batch, and the first's output with its gradients
+    (one process, no tspc): what each test's compiled copy is checked against."""
     from samples.reference_model import build_reference_model
-    from tspc.backend import COMPILED
-    from tspc.runtime.compat import work_registry_size
-    from tspc.runtime.counters import COUNTER
 
     torch.compiler.reset()
     ref = build_reference_model(seed=1, num_layers=2)
@@ -30,6 +26,18 @@ def inductor_worker(rank: int, world: int) -> dict:
     ids = torch.randint(0, 256, (2, 8 * world), generator=torch.Generator().manual_seed(7))
     expected = ref(ids)
     expected.float().pow(2).mean().backward()
+    return ref, model, ids, expected
+
+
+def inductor_worker(rank: int, world: int) -> dict:
+    from torch._inductor import config as inductor_config
+
+    import tspc
+    from tspc.backend import COMPILED
+    from tspc.runtime.compat import work_registry_size
+    from tspc.runtime.counters import COUNTER
+
+    ref, model, ids, expected = _reference_step(world)
     COUNTER.reset()
     compiled = torch.compile(model, backend="tsp", options={"inner": "inductor"})
     # Graphs with transfers compiled cold: the FileCheck below takes its expectations from the
@@ -115,7 +123,6 @@ def inductor_fails_worker(rank: int, world: int) -> dict:
 
     import tspc
     import tspc.inner as inner
-    from samples.reference_model import build_reference_model
     from tspc.backend import COMPILED
     from tspc.errors import InductorFallbackWarning
 
@@ -127,12 +134,7 @@ def inductor_fails_worker(rank: int, world: int) -> dict:
         return real(g, ex, is_backward=is_backward)
 
     inner.compile_with_inductor = fails_on_backward
-    torch.compiler.reset()
-    ref = build_reference_model(seed=1, num_layers=2)
-    model = build_reference_model(seed=1, num_layers=2)
-    ids = torch.randint(0, 256, (2, 8 * world), generator=torch.Generator().manual_seed(7))
-    expected = ref(ids)
-    expected.float().pow(2).mean().backward()
+    ref, model, ids, expected = _reference_step(world)
     compiled = torch.compile(model, backend="tsp", options={"inner": "inductor"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
