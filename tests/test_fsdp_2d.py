@@ -104,17 +104,17 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     out["opt_bytes"], out["ref_opt_bytes"] = state_bytes(opt), state_bytes(opt_ref)
     torch.distributed.barrier()
     # the same 4 ranks as one TSP axis of D = 4 (no data parallelism) resume the checkpoint
-    torch._dynamo.reset()
+    torch.compiler.reset()
     resumed = resume(root, world)
     out["resumed_err"] = max((resumed[n] - q).abs().max().item() for n, q in ref.named_parameters())
-    torch._dynamo.reset()
+    torch.compiler.reset()
     # (dp, tsp) = (4, 1): the 4 ranks as plain data parallel (torch's DDP, no tspc), each on
     # its quarter of the batch
     as_dp = resume(root, world, plain_dp=True)
     out["resumed_dp_err"] = max(
         (as_dp[n] - q).abs().max().item() for n, q in ref.named_parameters()
     )
-    torch._dynamo.reset()
+    torch.compiler.reset()
     out["hsdp"] = hsdp_run(ref)
     return out
 

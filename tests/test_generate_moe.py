@@ -1,7 +1,10 @@
 """``generate()`` on a TSP-compiled mixture-of-experts model (issue 27) against the same model in
 one process: greedy tokens equal, logits close. Decode runs each rank's own experts on the new
 tokens and sums over ranks with one all-reduce (``runtime/decode_moe.py``). One spawn runs every
-case: each MoE family of ``tests/test_moe.py`` and Mixtral with experts uneven over the ranks."""
+case: each experts form of ``tests/test_moe.py``'s families and Mixtral with experts uneven over
+the ranks. Qwen3-MoE, OLMoE and PhiMoE hold their experts in the same module as Mixtral (only
+their routers differ, and decode runs the router as the model's own code): their decode is a
+repeat, in the extended tier."""
 
 from __future__ import annotations
 
@@ -16,7 +19,12 @@ from tests.test_moe import MOE_FAMILIES
 from tests.test_moe import build as build_moe
 from tspc.launch import spawn
 
-CASES = [(family, {}) for family in MOE_FAMILIES] + [("mixtral", {"num_local_experts": 3})]
+# a routed-experts form each: Mixtral's (E = 4 and 3, uneven), Qwen2-MoE's shared expert and
+# its gate, GraniteMoE's parallel experts, Llama-4's every expert on every token
+ROUTER_REPEATS = ("qwen3_moe", "olmoe", "phimoe")
+CASES = [(f, {}) for f in MOE_FAMILIES if f not in ROUTER_REPEATS] + [
+    ("mixtral", {"num_local_experts": 3})
+]
 
 
 def moe_generate_worker(rank: int, world: int, cases: list) -> list[dict]:
@@ -48,10 +56,20 @@ def moe_generate_worker(rank: int, world: int, cases: list) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
-def test_moe_generate_equals_one_process_d2():
-    for rows in spawn(moe_generate_worker, 2, CASES, timeout=900):
+def _check(cases: list) -> None:
+    for rows in spawn(moe_generate_worker, 2, cases, timeout=900):
         for r in rows:
             assert "error" not in r, r
             assert r["same"], r
             assert r["logits"] < 1e-4, r
+
+
+@pytest.mark.slow
+def test_moe_generate_equals_one_process_d2():
+    _check(CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_moe_generate_router_variants_equal_one_process_d2():
+    _check([(f, {}) for f in ROUTER_REPEATS])

@@ -121,7 +121,7 @@ def _case(name: str, first_len: int, later, later_len: int, train_later: bool) -
     from tspc.report import REPORTS, last_graph_id
     from tspc.runtime.counters import COUNTER
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)

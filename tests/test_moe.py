@@ -109,7 +109,7 @@ def moe_worker(rank: int, world: int, families: list[str]) -> list[dict]:
 
     rows = []
     for family in families:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         # eval(): PhiMoE's router samples its experts at random in training mode
         ref, model = build(family).eval(), build(family).eval()
         ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -185,7 +185,7 @@ def training_worker(rank: int, world: int, family: str, overrides: dict) -> dict
     from tests.helpers import adamw_side_by_side
     from tspc.tools.memory import state_bytes
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref, model = build(family, **overrides), build(family, **overrides)
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():  # transformers installs its router-logits hooks at the first call,

@@ -112,7 +112,7 @@ def peer_worker(
     out = []
     for form in forms:
         for length in lengths:
-            torch._dynamo.reset()
+            torch.compiler.reset()
             ref, model = PeerModel(form), PeerModel(form)
             gen = torch.Generator().manual_seed(length)
             ids = torch.randint(0, VOCAB, (2, length), generator=gen)

@@ -54,7 +54,7 @@ def _model_rows(name: str) -> list[dict]:
     import tspc
     from tspc.runtime.counters import COUNTER
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     t0 = time.perf_counter()
     ref = build(name)
     model = copy.deepcopy(ref)

@@ -133,7 +133,7 @@ def peer_worker(rank: int, world: int, mode: str) -> dict:
     if rank == 1:
         if mode == "die":
             os._exit(17)
-        time.sleep(20)  # stall: alive, but never joins the next collective
+        time.sleep(13)  # stall: alive, but never joins the next collective
         return {}
     start = time.monotonic()
     try:
@@ -180,7 +180,7 @@ def test_dead_or_stalled_peer_raises_naming_the_collective_and_layer(mode):
     # the surviving rank fails fast, with the collective and the layer named
     assert "SURVIVOR after" in text, text
     seconds = float(text.split("SURVIVOR after ")[1].split("s")[0])
-    assert seconds < 25, text
+    assert seconds < 12, text
     assert "CollectiveTimeout" in text, text
     assert "for 'layers.0.attn'" in text or "for 'layers.0.mlp'" in text, text
     assert "A peer may have died or stalled" in text, text

@@ -220,7 +220,7 @@ def random_worker(rank: int, world: int, cases: list[tuple[str, int]], n: int) -
     out: dict = {}
     ids = torch.randint(1, 128, (2, n), generator=torch.Generator().manual_seed(3))
     for attn, layers in cases:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         model = _gpt2(attn, layers)
         compiled = torch.compile(model, backend="tsp", fullgraph=True)
         torch.manual_seed(100 + rank * (attn == "sdpa"))  # sdpa: ranks seeded apart
@@ -247,7 +247,7 @@ def _probe_masks() -> dict:
     run the program compiled for the first): its mask at each length, two calls at the first."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     counters.clear()
     torch.manual_seed(0)
     probe = torch.compile(MaskProbe().train(), backend="tsp", dynamic=True)

@@ -45,7 +45,7 @@ def _timed_error(call) -> dict:
 
 
 def weights_worker(rank: int, world: int, sync: bool) -> dict:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref = build_reference_model(seed=0, num_layers=2)  # rank 0's weights
     model = build_reference_model(seed=rank, num_layers=2)  # no common seed
     options = {"inner": "aot_eager", "sync_module_states": sync}
@@ -99,7 +99,7 @@ def test_sync_module_states_trains_rank_0s_model():
 
 
 def inputs_worker(rank: int, world: int, case: str) -> dict:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model = build_reference_model(seed=0, num_layers=1)
     options = {"inner": "aot_eager", "comm_timeout": 20.0}
     if case == "batch":
@@ -153,7 +153,7 @@ def carve_from_one_buffer(model: torch.nn.Module) -> torch.Tensor:
 def shared_worker(rank: int, world: int) -> dict:
     import tspc
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref = build_reference_model(seed=0, num_layers=2)
     model = build_reference_model(seed=0, num_layers=2)
     flat = carve_from_one_buffer(model)
@@ -228,10 +228,10 @@ def state_worker(rank: int, world: int) -> dict:
     import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.lowering  # noqa: F401
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     before = torch_state()
     during = _train_one_model()
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     return {"during": during, "differences": _differences(before, torch_state())}
 

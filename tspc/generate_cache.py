@@ -24,7 +24,7 @@ DECODE = threading.local()
 
 
 def current_step():
-    """The decode step running on this thread (``generate.py``'s ``_Step``)."""
+    """The decode step running on this thread (``decode_attention.py``'s ``DecodeStep``)."""
     step = getattr(DECODE, "step", None)
     if step is None:
         raise RuntimeError(
