@@ -27,6 +27,13 @@ import torch
 
 from .errors import SequenceLengthError
 
+# BOOL_THROUGH_UINT8: the cats that cut, pad or reorder a bool tensor (a mask) run on uint8 and
+# compare back. Inductor (torch 2.13, CPU) may hold a bool value computed from integers as an
+# int64 buffer; a cat of that buffer then feeds a vectorised ``where`` an int64 mask, which its
+# code generation rejects (Llama-4's chunked mask under left padding: sliced by the SDPA path,
+# all-gathered and put back in order by the eager one). The comparison gives Inductor a bool
+# buffer again; the values are the same.
+
 
 def check_divisible(n: int, world: int, what: str = "sequence length") -> int:
     """Chunk length of the zigzag cut; a clear error when ``n`` does not split into 2D chunks."""
@@ -84,11 +91,7 @@ def zigzag_slice(
     with copies of its last token."""
     if world == 1:
         return x
-    if x.dtype == torch.bool:
-        # through uint8: Inductor (torch 2.13, CPU) may hold a bool value computed from
-        # integers as an int64 buffer, and a cat of that buffer then feeds a vectorised
-        # ``where`` an int64 mask, which its code generation rejects (Llama-4's padded chunked
-        # mask); the comparison gives Inductor a bool buffer again, the values are the same
+    if x.dtype == torch.bool:  # through uint8 (BOOL_THROUGH_UINT8)
         return zigzag_slice(x.to(torch.uint8), dim, rank, world, outer, inner, padded) != 0
     y, dim = _split3(x, dim, outer, inner)
     n = y.shape[dim + 1]
@@ -114,6 +117,8 @@ def zigzag_unshard(
     """
     if world == 1:
         return gathered[0]
+    if gathered.dtype == torch.bool:  # through uint8 (BOOL_THROUGH_UINT8)
+        return zigzag_unshard(gathered.to(torch.uint8), dim, world, outer, inner) != 0
     parts, ldim = _split3(gathered, dim + 1 if dim >= 0 else dim, outer, inner)
     # parts: [D, ..., outer, 2c, inner, ...] with the chunk pair at ldim + 1
     two_c = parts.shape[ldim + 1]
@@ -133,6 +138,8 @@ def zigzag_stack_parts(
     full: torch.Tensor, dim: int, world: int, outer: int = 1, inner: int = 1
 ) -> torch.Tensor:
     """The inverse of ``zigzag_unshard``: ``[D, *local]`` with every rank's part of ``full``."""
+    if full.dtype == torch.bool:  # through uint8 (BOOL_THROUGH_UINT8)
+        return zigzag_stack_parts(full.to(torch.uint8), dim, world, outer, inner) != 0
     return torch.stack(
         [zigzag_slice(full, dim, r, world, outer, inner) for r in range(world)], dim=0
     )

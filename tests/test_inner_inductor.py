@@ -162,3 +162,32 @@ def test_inductor_failure_on_one_graph_keeps_tsp_and_the_numbers():
         assert (r["forward_code"], r["backward_code"]) == (1, 0), r
         assert len(r["warned"]) == 1 and "backward graph" in r["warned"][0], r["warned"]
         assert any("Inductor failed on the rewritten backward" in n for n in r["notes"]), r
+
+
+def test_a_gathered_bool_mask_compiles_with_inductor(fake_group):
+    """Llama-4's chunked mask under left padding with eager attention, graph-only as rank 0 of
+    2: the padding mask is all-gathered and put back in true order (``zigzag_unshard``), a cat
+    of bools that Inductor's CPU code generation once held as an int64 buffer and rejected
+    (runtime/zigzag.py's BOOL_THROUGH_UINT8). Inductor compiles both graphs: no fallback."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tspc
+    from tests.test_zoo import FAMILIES, SMALL
+
+    fake_group(0, 2)
+    cfg = AutoConfig.for_model("llama4_text", **{**SMALL, **FAMILIES["llama4_text"][0]})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(1, 128, (2, 17), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[0, :5] = 0
+    cm = torch.compile(model, backend="tsp", fullgraph=True, options={"inner": "inductor"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tspc.InductorFallbackWarning)
+        cm(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    rep = tspc.last_report()
+    assert rep.level == "tsp" and len(rep.matched) == 6, rep.summary()
+    assert not [n for n in rep.notes if n.startswith("Inductor failed")], rep.notes

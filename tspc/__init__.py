@@ -8,6 +8,7 @@ machinery: after the first call the model's parameters are DTensors (see docs/tr
 from tspc.api import load_state_dict, named_parameters, parameters, state_dict
 from tspc.errors import (
     FallbackWarning,
+    InductorFallbackWarning,
     PartitionerTagError,
     ReleasedWeightsNeededError,
     TSPCompileError,
@@ -29,6 +30,7 @@ __all__ = [
     "CollectiveTimeout",
     "CompileReport",
     "FallbackWarning",
+    "InductorFallbackWarning",
     "GenerateUnsupportedError",
     "enable_generate",
     "InputMismatchError",
