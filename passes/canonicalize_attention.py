@@ -24,7 +24,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import arg, eliminate_dead_code, node_module_fqn, op_name, shape, tensor_val
+from .graph_utils import (
+    arg,
+    eliminate_dead_code,
+    node_module_fqn,
+    op_name,
+    set_fake_value,
+    shape,
+    tensor_val,
+)
 
 _CASTS = ("to", "type", "float", "type_as", "half", "bfloat16", "contiguous")
 # the scale of the scores; in place too (Falcon's ``scores /= sqrt(d)``: its only user)
@@ -58,6 +66,54 @@ def _is_key_transpose(kt: fx.Node) -> fx.Node | None:
     return None
 
 
+def _fill_is_additive(value: float, dtype: torch.dtype) -> bool:
+    """Whether ``s.masked_fill(m, value)`` equals ``s + where(m, value, 0)`` for every score a
+    model computes: -inf absorbs any finite score, and a value at the dtype's most negative
+    float does too wherever half its spacing there (>= 1e31 in fp32 / bf16 / fp64) exceeds any
+    score. Another value (``-1e9``) differs in a row masked at every key: masked_fill makes it
+    uniform, a sum does not."""
+    if value == float("-inf"):
+        return True
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return False
+    return value <= torch.finfo(dtype).min / 2
+
+
+def _masked_fill_mask(scores: fx.Node):
+    """``s.masked_fill(m, v)`` (nanoGPT / minGPT / einsum code's causal mask) as (s, the
+    additive mask ``where(m, v, 0)`` in the scores' dtype), or the reason it cannot be one.
+
+    The new mask nodes read only ``m``: ``classify_mask`` evaluates them like the masks Hugging
+    Face builds (``where`` of a bool condition), so a causal ``ones(S, S).tril()`` becomes the
+    zigzag kernel and nothing S x S is left."""
+    if not _single_user(scores):
+        return "the masked scores are used elsewhere"
+    raw, hide = arg(scores, 0, "self"), arg(scores, 1, "mask")
+    value = arg(scores, 2, "value")
+    if not isinstance(raw, fx.Node) or not isinstance(hide, fx.Node) or not _single_user(raw):
+        return "the softmax input is not q @ k^T (softcapping or another transform)"
+    hv, sv = tensor_val(hide), tensor_val(raw)
+    if hv is None or sv is None or hv.dtype != torch.bool:
+        return "masked_fill by a mask that is not a bool tensor"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "masked_fill with a tensor value (only a Python number is read as a mask value)"
+    if not _fill_is_additive(float(value), sv.dtype):
+        return (
+            f"masked_fill with {value} in {sv.dtype}: a row masked at every key would not equal "
+            "an additive mask (write float('-inf') or torch.finfo(dtype).min)"
+        )
+    g = scores.graph
+    with g.inserting_before(scores):
+        additive = g.call_function(torch.where, (hide, float(value), 0.0))
+        additive.meta.update({k: v for k, v in scores.meta.items() if k != "val"})
+        set_fake_value(additive)
+        if tensor_val(additive).dtype != sv.dtype:
+            additive = g.call_method("to", (additive, sv.dtype))
+            additive.meta.update({k: v for k, v in scores.meta.items() if k != "val"})
+            set_fake_value(additive)
+    return raw, additive
+
+
 def _match(out: fx.Node):
     """(q, k, v, mask, scale) of an eager attention ending at ``out = probs @ v``, or a reason."""
     probs, v = out.args[0], out.args[1]
@@ -86,6 +142,11 @@ def _match(out: fx.Node):
     tv = tensor_val(mask) if isinstance(mask, fx.Node) else None
     if tv is not None and tv.dtype == torch.bool:
         return "a bool mask added to the scores (eager adds it as 0/1; SDPA would mask with it)"
+    if mask is None and op_name(scores) in ("masked_fill", "masked_fill_"):
+        filled = _masked_fill_mask(scores)
+        if isinstance(filled, str):
+            return filled
+        scores, mask = filled
     scale = 1.0
     if op_name(scores) in _SCALES and _single_user(scores):
         a, b = scores.args

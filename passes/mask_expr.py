@@ -78,6 +78,23 @@ def _fold_op(name: str, args: tuple) -> tuple:
             return live[0]
     if name == "where" and args[0][0] == "const":
         return args[1] if args[0][1] else args[2]
+    if name in _PY and name not in ("where", "not") and len(args) == 2:
+        # ``tril(ones(S, S)) == 0`` (nanoGPT): a comparison of where(c, 1, 0) with a constant
+        # is where(c, 1 == 0, 0 == 0), which the rule below makes ``not c``
+        for i in (0, 1):
+            w, other = args[i], args[1 - i]
+            if w[:2] == ("op", "where") and other[0] == "const":
+                c, a, b = w[2]
+                if a[0] == "const" and b[0] == "const":
+                    branch = [(x, other) if i == 0 else (other, x) for x in (a, b)]
+                    return _fold_op("where", (c, *(_fold_op(name, pair) for pair in branch)))
+    if name == "where" and all(a[0] == "const" and type(a[1]) is bool for a in args[1:]):
+        # ``ones(S, S, dtype=bool).tril()`` is where(k <= q, True, False): the condition itself
+        if args[1][1] != args[2][1]:
+            return args[0] if args[1][1] else _fold_op("not", (args[0],))
+    if name == "not" and args[0][0] == "op":
+        if args[0][1] == "not":  # ``~~m``: a mask negated for masked_fill, then for SDPA
+            return args[0][2][0]
     return ("op", name, args)
 
 

@@ -176,9 +176,31 @@ def _param_linear(node: fx.Node, params) -> bool:
     return as_linear(node, params) is not None
 
 
+# products that project by a parameter of any rank; ``as_linear`` reads only 2-D weights
+_CONTRACTIONS = ("einsum", "tensordot", "matmul", "bmm", "baddbmm", "mm", "linear", "__matmul__")
+
+
+def _unshardable_projection(n: fx.Node, params) -> str:
+    """Why ``n`` projects by a parameter the schedules cannot cut (an ``einsum`` over a fused
+    ``[3, heads, head_dim, dim]`` weight), or "". Walking back past such a node would reach an
+    earlier layer's projection and name the wrong module."""
+    for i in n.all_input_nodes:
+        if i not in params:
+            continue
+        nd = len(shape(i))
+        if nd >= 3 or (nd == 2 and op_name(n) in _CONTRACTIONS):
+            return (
+                f"is projected by '{op_name(n)}' with the {nd}-D parameter {params[i].fqn}: the "
+                "schedules shard projections by 2-D weights (linear, addmm, matmul or a "
+                "two-operand einsum over a 2-D weight)"
+            )
+    return ""
+
+
 def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[fx.Node]]:
     """The single parameter ``linear`` that ``start`` is computed from (not looking past it)."""
     found: list[fx.Node] = []
+    reasons: list[str] = []
     seen = {start}
     queue = deque([start])
     while queue:
@@ -188,10 +210,16 @@ def _find_projection(start: fx.Node, params, what: str) -> tuple[fx.Node, list[f
             continue
         if n.op in ("placeholder", "get_attr"):
             continue
+        stop = _unshardable_projection(n, params)
+        if stop:  # not walked past: what lies behind it belongs to another projection
+            reasons.append(stop)
+            continue
         for i in tensor_inputs(n, include_tuples=True):
             if i not in seen:
                 seen.add(i)
                 queue.append(i)
+    if not found and reasons:
+        raise _NoMatch(f"{what} {reasons[0]}")
     if len(found) != 1:
         raise _NoMatch(
             f"{what} is computed from {len(found)} parameter projections (expected exactly one)"
@@ -410,11 +438,17 @@ def match_attention(
 
 
 def _guess_module(sdpa: fx.Node, a: dict, params) -> str:
+    """The attention's module: its query projection's (a function-style attention records
+    no module of its own), unless that lies outside the module the call ran in."""
+    own = node_module_fqn(sdpa)
     try:
         lin, _ = _find_projection(a["query"], params, "q")
-        return projection_module(params[as_linear(lin, params).weight].fqn)
     except _NoMatch:
-        return node_module_fqn(sdpa) or sdpa.name
+        return own or sdpa.name
+    guess = projection_module(params[as_linear(lin, params).weight].fqn)
+    if own and not (guess.startswith(own) or own.startswith(guess)):
+        return own
+    return guess
 
 
 def _match_one(sdpa: fx.Node, a: dict, params, module: str, world: int) -> AttentionMatch:

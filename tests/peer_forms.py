@@ -15,11 +15,15 @@ import of those libraries: each form is copied in spirit, small and hand-written
 - ``flex`` / ``flex_window``: ``torch.nn.attention.flex_attention`` with a causal
   ``BlockMask`` / a causal sliding window (FlexAttention has no backward on CPU: forward only).
 - ``v_dim``: values with a head size different from the queries' and keys' (SDPA allows it).
+- ``nanogpt`` / ``nanogpt_finfo``: nanoGPT's eager attention, the causal mask applied with
+  ``masked_fill`` (``tril(ones) == 0`` filled with ``-inf``; ``~tril`` with ``finfo.min``).
 
 Every form has a gated MLP (``w2(silu(w1(x)) * w3(x))``, or the einsum GLU).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -186,6 +190,33 @@ class FlexAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class NanoGPTAttention(nn.Module):
+    """nanoGPT / minGPT's eager path: one fused ``c_attn`` (with a bias) split into q, k, v,
+    the causal mask applied with ``masked_fill`` (``tril(ones) == 0`` to ``-inf``); ``fill``:
+    another spelling, a bool ``~tril`` filled with ``torch.finfo(dtype).min``."""
+
+    def __init__(self, fill: bool = False):
+        super().__init__()
+        self.fill = fill
+        self.c_attn = nn.Linear(H, 3 * H)
+        self.c_proj = nn.Linear(H, H)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (t.view(b, s, HEADS, c // HEADS).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if self.fill:
+            hide = ~torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(hide, torch.finfo(att.dtype).min)
+        else:
+            causal = torch.tril(torch.ones(s, s, device=x.device)).view(1, 1, s, s)
+            att = att.masked_fill(causal == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, s, c)
+        return self.c_proj(y)
+
+
 class VDimAttention(nn.Module):
     def __init__(self):
         super().__init__()
@@ -209,6 +240,8 @@ ATTENTION = {
     "flex": FlexAttention,
     "flex_window": lambda: FlexAttention(window=WINDOW),
     "v_dim": VDimAttention,
+    "nanogpt": NanoGPTAttention,
+    "nanogpt_finfo": lambda: NanoGPTAttention(fill=True),
 }
 
 

@@ -1,6 +1,6 @@
 """Attention and MLP forms of libraries outside transformers (``tests/peer_forms.py``): fused
 q/k/v with GQA, GQA repeated before RoPE, einsum attention and an einsum GLU chunked into gate
-and up, values with their own head size, FlexAttention.
+and up, values with their own head size, FlexAttention, nanoGPT's masked_fill causal mask.
 
 Graph-level at D = 2 (fake process group): each is matched (level 'tsp', every census item
 matched), FlexAttention's causal and sliding-window masks recognised, a FlexAttention with a
@@ -24,6 +24,8 @@ MATCHED = (
     "tune_gqa_flatten",
     "einsum",
     "v_dim",
+    "nanogpt",
+    "nanogpt_finfo",
 )
 FLEX = ("flex", "flex_window")  # no FlexAttention backward on CPU: compared forward only
 
