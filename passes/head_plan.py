@@ -308,6 +308,54 @@ class HeadPlan:
             new.kwargs = {**new.kwargs, where: sizes}
 
 
+def head_positions(sh: Sharded, rank: int, world: int) -> list[int]:
+    """The global indices of the split dim that ``rank`` holds under ``sh``, in local order:
+    the n-factor's part of each outer block, each with its ``inner`` run. With fewer heads
+    than ranks each group holds one, shared by D / n groups (as ``head_rows`` cuts them)."""
+    if sh.n % world == 0:
+        first, count = rank * sh.n_local, sh.n_local
+    else:
+        first, count = rank * sh.n // world, 1
+    return [
+        (o * sh.n + h) * sh.inner + i
+        for o in range(sh.outer)
+        for h in range(first, first + count)
+        for i in range(sh.inner)
+    ]
+
+
+def check_heads_align(
+    plan: HeadPlan, query: fx.Node, keys: fx.Node, values: fx.Node, repeat: int
+) -> None:
+    """Each head group's queries must meet the keys and values of their own heads.
+
+    The propagation proves each value head-local, but the attention pairs its operands by
+    position: local query head j with local key head j. Where K/V heads are repeated to the
+    query heads' count inside the region, the repetition decides which KV head a query head
+    reads — Llama's ``repeat_kv`` (``[k0, k0, k1, k1]``) keeps a group's heads together,
+    einops' ``repeat('b h n d -> b (r h) n d')`` (x-transformers: ``[k0, k1, k0, k1]``)
+    does not, and the groups would silently attend with another head's keys. ``repeat``:
+    the schedule's own (interleaved) repetition of ``keys``/``values``, 1 when none."""
+    lq = plan.layout.get(query)
+    if not isinstance(lq, Sharded):
+        return
+    world = plan.world
+    for what, node in (("keys", keys), ("values", values)):
+        lk = plan.layout.get(node)
+        if not isinstance(lk, Sharded):  # one KV head every group shares, whole
+            continue
+        for r in range(world):
+            want = head_positions(lq, r, world)  # the query heads of group r, in local order
+            meets = [p for p in head_positions(lk, r, world) for _ in range(repeat)]
+            if lk.dim != lq.dim or meets != [p // repeat for p in want]:
+                raise NotHeadLocal(
+                    f"head group {r}'s query heads {want} would meet the {what} of heads "
+                    f"{meets}: the model repeats its key/value heads in an order that does not "
+                    "keep a group's heads together (einops' '(r h)' tiles them: query head i "
+                    "reads KV head i mod n), so no cut by head groups is exact"
+                )
+
+
 def region_between(sources: list[fx.Node], sinks: list[fx.Node]) -> list[fx.Node]:
     """Nodes on a path from a source to a sink, in graph order."""
     nodes = reachable(sinks, forward=False, within=reachable(sources))

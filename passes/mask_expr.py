@@ -88,13 +88,14 @@ def _fold_op(name: str, args: tuple) -> tuple:
                 if a[0] == "const" and b[0] == "const":
                     branch = [(x, other) if i == 0 else (other, x) for x in (a, b)]
                     return _fold_op("where", (c, *(_fold_op(name, pair) for pair in branch)))
-    if name == "where" and all(a[0] == "const" and type(a[1]) is bool for a in args[1:]):
+    bool_branches = name == "where" and all(
+        a[0] == "const" and type(a[1]) is bool for a in args[1:]
+    )
+    if bool_branches and args[1][1] != args[2][1]:
         # ``ones(S, S, dtype=bool).tril()`` is where(k <= q, True, False): the condition itself
-        if args[1][1] != args[2][1]:
-            return args[0] if args[1][1] else _fold_op("not", (args[0],))
-    if name == "not" and args[0][0] == "op":
-        if args[0][1] == "not":  # ``~~m``: a mask negated for masked_fill, then for SDPA
-            return args[0][2][0]
+        return args[0] if args[1][1] else _fold_op("not", (args[0],))
+    if name == "not" and args[0][:2] == ("op", "not"):
+        return args[0][2][0]  # ``~~m``: a mask negated for masked_fill, then for SDPA
     return ("op", name, args)
 
 

@@ -357,8 +357,10 @@ def _match_at(
     region = _walk_back(down, params, natures)
 
     def of_this_mlp(u: UpProjection) -> bool:
+        # the same module, or one inside the other: x-transformers' ``FeedForward`` is a
+        # ``Sequential(GLU(proj), ..., Linear)``, its up projection a child of a child
         return (
-            _module(u.proj, params) == module
+            _nested(_module(u.proj, params), module)
             and u.proj.in_features == down.out_features
             and u.width == down.in_features
         )

@@ -128,6 +128,103 @@ def tune_gemma_mqa() -> nn.Module:
     return tune_gemma(kv_heads=1)  # Gemma-2B's multi-query attention
 
 
+def _litgpt_model():
+    """litgpt's ``model.py`` and ``config.py``, loaded without the package's ``__init__``: it
+    imports the training stack (lightning, its loggers and strategies), which building a
+    model never uses and the test extra does not install. ``model.py``'s one import from the
+    checkpoint converter (``qkv_reassemble``, for loading Hugging Face weights) is stubbed."""
+    import importlib.util
+    import types
+
+    if "litgpt.model" in sys.modules:
+        return sys.modules["litgpt.model"]
+    spec = importlib.util.find_spec("litgpt")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("litgpt is not installed (requirements-peers.txt)")
+    root = list(spec.submodule_search_locations)[0]
+    pkg = types.ModuleType("litgpt")
+    pkg.__path__ = [root]
+    scripts = types.ModuleType("litgpt.scripts")
+    scripts.__path__ = [os.path.join(root, "scripts")]
+    convert = types.ModuleType("litgpt.scripts.convert_hf_checkpoint")
+
+    def qkv_reassemble(*args, **kwargs):
+        raise NotImplementedError("stubbed: the peer zoo loads no Hugging Face checkpoint")
+
+    convert.qkv_reassemble = qkv_reassemble
+    sys.modules.update({"litgpt": pkg, "litgpt.scripts": scripts, convert.__name__: convert})
+    for name in ("config", "model"):
+        mspec = importlib.util.spec_from_file_location(
+            f"litgpt.{name}", os.path.join(root, f"{name}.py")
+        )
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[mspec.name] = module
+        mspec.loader.exec_module(module)
+        setattr(pkg, name, module)  # config.py resolves its class names on ``litgpt.model``
+    return sys.modules["litgpt.model"]
+
+
+def _litgpt(**kw) -> nn.Module:
+    model = _litgpt_model()
+    from litgpt.config import Config
+
+    base = dict(block_size=256, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS)
+    return model.GPT(Config(**base, n_head=HEADS, n_embd=DIM, **kw))
+
+
+def litgpt_llama() -> nn.Module:
+    return _litgpt(
+        n_query_groups=KV_HEADS,
+        bias=False,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=HIDDEN,
+    )
+
+
+def litgpt_pythia() -> nn.Module:
+    # Pythia / GPT-NeoX as litgpt writes it: parallel residual, LayerNorm, biases, a GELU MLP,
+    # RoPE on a quarter of each head
+    return _litgpt(
+        n_query_groups=HEADS,
+        bias=True,
+        rotary_percentage=0.25,
+        parallel_residual=True,
+        mlp_class_name="GptNeoxMLP",
+        intermediate_size=4 * DIM,
+    )
+
+
+class _LogitsOnly(nn.Module):
+    """x-transformers' wrapper returns the logits; this keeps the zoo's ``model(ids)`` contract
+    and names the layers' container for the judge's count."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+
+def _x_transformers(**kw) -> nn.Module:
+    from x_transformers import Decoder, TransformerWrapper
+
+    decoder = Decoder(dim=DIM, depth=LAYERS, heads=HEADS, attn_dim_head=DIM // HEADS, **kw)
+    return _LogitsOnly(TransformerWrapper(num_tokens=VOCAB, max_seq_len=256, attn_layers=decoder))
+
+
+def x_transformers_glu() -> nn.Module:
+    # einsum/einops attention (``Attend``), rotary embeddings, a GLU feed-forward whose fused
+    # projection sits one module below the down projection (``Sequential(GLU, ..., Linear)``)
+    return _x_transformers(rotary_pos_emb=True, ff_glu=True)
+
+
+def x_transformers_gqa() -> nn.Module:
+    return _x_transformers(rotary_pos_emb=True, attn_kv_heads=KV_HEADS)
+
+
 def einsum_decoder() -> nn.Module:
     from tests.einsum_model import EinsumDecoder
 
@@ -143,6 +240,10 @@ PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
     "torchtune gemma": (tune_gemma, "torchtune", "GELU-tanh GLU, scaled embedding"),
     "torchtune gemma mqa": (tune_gemma_mqa, "torchtune", "multi-query attention (one KV head)"),
     "einsum decoder": (einsum_decoder, "tspc", "einsum attention and an einsum GLU, chunked"),
+    "litgpt llama": (litgpt_llama, "litgpt", "fused qkv [Q..; K..; V..] with GQA, LLaMAMLP"),
+    "litgpt pythia": (litgpt_pythia, "litgpt", "parallel residual, partial RoPE, GELU MLP"),
+    "x-transformers glu": (x_transformers_glu, "x-transformers", "einops attention, nested GLU"),
+    "x-transformers gqa": (x_transformers_gqa, "x-transformers", "GQA by einops repeat"),
 }
 
 
