@@ -324,9 +324,7 @@ def head_positions(sh: Sharded, rank: int, world: int) -> list[int]:
     ]
 
 
-def check_heads_align(
-    plan: HeadPlan, query: fx.Node, keys: fx.Node, values: fx.Node, repeat: int
-) -> None:
+def check_heads_align(plan: HeadPlan, query: fx.Node, keys: fx.Node, values: fx.Node) -> None:
     """Each head group's queries must meet the keys and values of their own heads.
 
     The propagation proves each value head-local, but the attention pairs its operands by
@@ -334,8 +332,9 @@ def check_heads_align(
     query heads' count inside the region, the repetition decides which KV head a query head
     reads — Llama's ``repeat_kv`` (``[k0, k0, k1, k1]``) keeps a group's heads together,
     einops' ``repeat('b h n d -> b (r h) n d')`` (x-transformers: ``[k0, k1, k0, k1]``)
-    does not, and the groups would silently attend with another head's keys. ``repeat``:
-    the schedule's own (interleaved) repetition of ``keys``/``values``, 1 when none."""
+    does not, and the groups would silently attend with another head's keys. Fewer K/V heads
+    than query heads where the call reads them (Llama's ``repeat_kv`` the schedule dropped,
+    SDPA's ``enable_gqa``) are repeated by the schedule and the kernel the interleaved way."""
     lq = plan.layout.get(query)
     if not isinstance(lq, Sharded):
         return
@@ -344,10 +343,17 @@ def check_heads_align(
         lk = plan.layout.get(node)
         if not isinstance(lk, Sharded):  # one KV head every group shares, whole
             continue
+        if lk.dim != lq.dim or shape(query)[lq.dim] % shape(node)[lk.dim]:
+            raise NotHeadLocal(f"the {what}' heads do not line up with the queries' heads")
+        repeat = shape(query)[lq.dim] // shape(node)[lk.dim]
         for r in range(world):
             want = head_positions(lq, r, world)  # the query heads of group r, in local order
-            meets = [p for p in head_positions(lk, r, world) for _ in range(repeat)]
-            if lk.dim != lq.dim or meets != [p // repeat for p in want]:
+            have = head_positions(lk, r, world)
+            # repeated locally to the group's query heads (fewer KV heads than ranks: a
+            # group holds one KV head for fewer query heads than the model repeats it to)
+            local = len(want) // len(have) if len(want) % len(have) == 0 else 0
+            meets = [p for p in have for _ in range(local)]
+            if meets != [p // repeat for p in want]:
                 raise NotHeadLocal(
                     f"head group {r}'s query heads {want} would meet the {what} of heads "
                     f"{meets}: the model repeats its key/value heads in an order that does not "

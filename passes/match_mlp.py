@@ -357,10 +357,13 @@ def _match_at(
     region = _walk_back(down, params, natures)
 
     def of_this_mlp(u: UpProjection) -> bool:
-        # the same module, or one inside the other: x-transformers' ``FeedForward`` is a
-        # ``Sequential(GLU(proj), ..., Linear)``, its up projection a child of a child
+        # the same module, or a direct child of it: x-transformers' ``FeedForward`` is a
+        # ``Sequential(GLU(proj), ..., Linear)``, its up projection inside the GLU child. Not
+        # any descendant: a tied LM head (module ``model``) would claim every layer's MLP.
+        up = _module(u.proj, params)
+        child = bool(module) and up.startswith(module + ".") and "." not in up[len(module) + 1 :]
         return (
-            _nested(_module(u.proj, params), module)
+            (up == module or child)
             and u.proj.in_features == down.out_features
             and u.width == down.in_features
         )

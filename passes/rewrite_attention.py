@@ -167,9 +167,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     region = region_between(list(sources), [q_in, m.k_root, m.v_root])
     region_only = set(region)
     heads = plan_heads(m, D, attention, region, sources, projections)
-    check_heads_align(
-        heads, q_in, m.k_root, m.v_root, m.q_heads // m.kv_heads if m.repeat_nodes else 1
-    )
+    check_heads_align(heads, q_in, m.k_root, m.v_root)
     post = post_chain(attention, m.o_linear)
     heads.plan_post(post)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(

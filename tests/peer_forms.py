@@ -15,6 +15,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
 - ``flex`` / ``flex_window``: ``torch.nn.attention.flex_attention`` with a causal
   ``BlockMask`` / a causal sliding window (FlexAttention has no backward on CPU: forward only).
 - ``v_dim``: values with a head size different from the queries' and keys' (SDPA allows it).
+- ``tiled_gqa``: K/V heads repeated tiled (einops' ``(r h)``): no head group holds its own keys,
+  so it is skipped with that reason, never run with another head's keys.
 - ``nanogpt`` / ``nanogpt_finfo``: nanoGPT's eager attention, the causal mask applied with
   ``masked_fill`` (``tril(ones) == 0`` filled with ``-inf``; ``~tril`` with ``finfo.min``).
 
@@ -190,6 +192,26 @@ class FlexAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class TiledGQA(nn.Module):
+    """GQA repeated the way einops' ``repeat(k, 'b h n d -> b (r h) n d')`` does it
+    (x-transformers): query head i reads KV head i mod KV, not i // (HEADS / KV)."""
+
+    def __init__(self):
+        super().__init__()
+        _projections(self, "q k v o", KV * D_HEAD, KV * D_HEAD, HEADS * D_HEAD)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, D_HEAD).transpose(1, 2)
+        k, v = (t(x).view(b, s, KV, D_HEAD).transpose(1, 2) for t in (self.k, self.v))
+        rep = HEADS // KV
+        k, v = (
+            t[:, None].expand(b, rep, KV, s, D_HEAD).reshape(b, HEADS, s, D_HEAD) for t in (k, v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class NanoGPTAttention(nn.Module):
     """nanoGPT / minGPT's eager path: one fused ``c_attn`` (with a bias) split into q, k, v,
     the causal mask applied with ``masked_fill`` (``tril(ones) == 0`` to ``-inf``); ``fill``:
@@ -242,6 +264,7 @@ ATTENTION = {
     "v_dim": VDimAttention,
     "nanogpt": NanoGPTAttention,
     "nanogpt_finfo": lambda: NanoGPTAttention(fill=True),
+    "tiled_gqa": TiledGQA,
 }
 
 

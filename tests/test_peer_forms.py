@@ -141,11 +141,32 @@ def peer_worker(
     return out
 
 
+TILED = "does not keep a group's heads together"
+
+
+def test_tiled_kv_heads_are_skipped_with_the_reason(fake_group):
+    """einops' ``(r h)`` repetition pairs query head i with KV head i mod n: a head group's
+    queries would meet other heads' keys, so the attention is skipped (its MLP still runs)."""
+    fake_group(0, 2)
+    rep = _compile_report("tiled_gqa")
+    assert rep.level == "tsp", rep.summary()
+    entries = {(e.kind, e.module): e for e in rep.entries}
+    for i in (0, 1):
+        att = entries[("attention", f"layers.{i}.attn")]
+        assert att.status == "skipped" and TILED in att.reason, rep.summary()
+        assert entries[("mlp", f"layers.{i}.mlp")].status == "matched", rep.summary()
+
+
 @pytest.mark.slow
 def test_peer_forms_equal_one_process():
     # one model holding a block of each form: two compiles (an even and an odd length)
     runs = spawn(peer_worker, 2, [list(MATCHED)], [16, 13], timeout=900)
     runs += spawn(peer_worker, 2, [list(FLEX)], [13], False, timeout=900)
+    # tiled KV heads: skipped, and the model's answer kept (it ran with other heads' keys)
+    tiled = spawn(peer_worker, 2, [["tiled_gqa"]], [13], timeout=900)
+    for r in (r for per_rank in tiled for r in per_rank):
+        assert r["out_err"] < 1e-5 and r["grad_err"] < 1e-5, r
+        assert [e[2] for e in r["entries"] if e[0] == "attention"] == ["skipped"], r
     for per_rank in runs:
         for r in per_rank:
             assert r["level"] == "tsp", r
