@@ -224,6 +224,11 @@ class HeadPlan:
                     "out as pow/mean/rsqrt, as OLMo-2 does, the statistics are summed per group)"
                 )
             return sh
+        if name == "normalize":  # F.normalize(x, p, dim=1): a p-norm along ``dim``
+            sh = self.layout[x]
+            if arg(node, 2, "dim", 1) % len(shape(x)) == sh.dim:
+                raise NotHeadLocal(f"'{node.name}' normalises across heads")
+            return sh
         if name in ("view_as_complex", "view_as_real"):
             # the last dim's pairs as complex numbers and back (Llama-4's RoPE): the other
             # dims keep their places

@@ -15,7 +15,7 @@ from tspc.runtime.seq_reductions import sharded_mean, sharded_sum
 from .graph_utils import arg, replace_input, shape, tensor_val
 from .layout import Sharded, map_broadcast, map_reduce, reduced_dims
 from .seq_ops import in_table, is_first_arg_only, is_inplace, resolve
-from .seq_rules_shape import acts_along
+from .seq_rules_shape import acting_along, acts_along
 
 if TYPE_CHECKING:
     from .seq_rule_api import SequencePropagator
@@ -204,8 +204,14 @@ def rule_layer_norm(p: SequencePropagator, node):
     return _norm(p, node, 1)
 
 
+# ``F.normalize(x, p, dim=1)``: x divided by its p-norm along ``dim`` (x-transformers' RMSNorm
+# and q/k l2-norm): token-wise unless that dim is the sequence
+rule_normalize = acting_along(lambda node: arg(node, 2, "dim", 1))
+
+
 # The rules not chosen by the op tables of seq_ops (elementwise, along a dim, reductions).
 RULES = {
+    "normalize": rule_normalize,
     "linear": rule_linear,
     "addmm": rule_addmm,
     "embedding": rule_embedding,

@@ -15,6 +15,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
 - ``flex`` / ``flex_window``: ``torch.nn.attention.flex_attention`` with a causal
   ``BlockMask`` / a causal sliding window (FlexAttention has no backward on CPU: forward only).
 - ``v_dim``: values with a head size different from the queries' and keys' (SDPA allows it).
+- ``l2norm_qk``: q/k and the input normalised by ``F.normalize`` (x-transformers' q/k norm and
+  RMSNorm): token-wise and head-local along the last dim.
 - ``tiled_gqa``: K/V heads repeated tiled (einops' ``(r h)``): no head group holds its own keys,
   so it is skipped with that reason, never run with another head's keys.
 - ``nanogpt`` / ``nanogpt_finfo``: nanoGPT's eager attention, the causal mask applied with
@@ -192,6 +194,24 @@ class FlexAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class L2NormQK(nn.Module):
+    """q and k l2-normalised per head with ``F.normalize`` and scaled by a learnt temperature
+    (x-transformers' ``attn_qk_norm``), the input normalised the same way (its RMSNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        _projections(self, "q k v o", HEADS * D_HEAD, HEADS * D_HEAD, HEADS * D_HEAD)
+        self.gamma = nn.Parameter(torch.ones(H))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        x = F.normalize(x, dim=-1) * H**0.5 * self.gamma
+        q, k, v = (t(x).view(b, s, HEADS, D_HEAD).transpose(1, 2) for t in (self.q, self.k, self.v))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=10.0)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
 class TiledGQA(nn.Module):
     """GQA repeated the way einops' ``repeat(k, 'b h n d -> b (r h) n d')`` does it
     (x-transformers): query head i reads KV head i mod KV, not i // (HEADS / KV)."""
@@ -265,6 +285,7 @@ ATTENTION = {
     "nanogpt": NanoGPTAttention,
     "nanogpt_finfo": lambda: NanoGPTAttention(fill=True),
     "tiled_gqa": TiledGQA,
+    "l2norm_qk": L2NormQK,
 }
 
 

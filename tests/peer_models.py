@@ -217,8 +217,9 @@ def _x_transformers(**kw) -> nn.Module:
 
 def x_transformers_glu() -> nn.Module:
     # einsum/einops attention (``Attend``), rotary embeddings, a GLU feed-forward whose fused
-    # projection sits one module below the down projection (``Sequential(GLU, ..., Linear)``)
-    return _x_transformers(rotary_pos_emb=True, ff_glu=True)
+    # projection sits one module below the down projection (``Sequential(GLU, ..., Linear)``),
+    # RMSNorm and q/k l2-norm written with ``F.normalize``
+    return _x_transformers(rotary_pos_emb=True, ff_glu=True, use_rmsnorm=True, attn_qk_norm=True)
 
 
 def x_transformers_gqa() -> nn.Module:
@@ -242,7 +243,11 @@ PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
     "einsum decoder": (einsum_decoder, "tspc", "einsum attention and an einsum GLU, chunked"),
     "litgpt llama": (litgpt_llama, "litgpt", "fused qkv [Q..; K..; V..] with GQA, LLaMAMLP"),
     "litgpt pythia": (litgpt_pythia, "litgpt", "parallel residual, partial RoPE, GELU MLP"),
-    "x-transformers glu": (x_transformers_glu, "x-transformers", "einops attention, nested GLU"),
+    "x-transformers glu": (
+        x_transformers_glu,
+        "x-transformers",
+        "einops attention, q/k l2-norm, F.normalize RMSNorm, nested GLU",
+    ),
     "x-transformers gqa": (x_transformers_gqa, "x-transformers", "GQA by einops repeat"),
 }
 

@@ -26,6 +26,7 @@ MATCHED = (
     "v_dim",
     "nanogpt",
     "nanogpt_finfo",
+    "l2norm_qk",
 )
 FLEX = ("flex", "flex_window")  # no FlexAttention backward on CPU: compared forward only
 
