@@ -343,6 +343,16 @@ def check_heads_align(plan: HeadPlan, query: fx.Node, keys: fx.Node, values: fx.
     lq = plan.layout.get(query)
     if not isinstance(lq, Sharded):
         return
+    for what, node in (("queries", query), ("keys", keys), ("values", values)):
+        lay = plan.layout.get(node)
+        if isinstance(lay, Sharded) and lay.dim != len(shape(node)) - 3:
+            # ``view(b, s, d, h).permute(0, 3, 1, 2)`` (einops' '(d h)'): what the projection's
+            # head groups cut reaches the call as its head_dim, which it contracts or mixes
+            raise NotHeadLocal(
+                f"the {what} reach the attention with the projections' head groups in dim "
+                f"{lay.dim}, not the heads dim of [..., heads, seq, head_dim]: the model reads "
+                "its projections' features in another order than heads-major"
+            )
     world = plan.world
     for what, node in (("keys", keys), ("values", values)):
         lk = plan.layout.get(node)
@@ -415,6 +425,22 @@ def plan_heads(m, D, attention, region, sources, projections) -> HeadPlan:
         f"{first_error} (the fused q/k/v projection was also tried in every coarser grouping "
         f"of its rows that {D} ranks can share)"
     )
+
+
+def check_output_columns(plan: HeadPlan, o_input: fx.Node) -> None:
+    """The output projection reads head group r's columns as one range ``[r·Hq/D·dv, ...)``:
+    exact only when the heads reach its input dim outermost, each head's features together
+    (``transpose(1, 2).reshape(b, s, Hq·dv)``). Heads innermost (einops' ``'b h n d -> b n
+    (d h)'``) put a group's features in a strided set of columns."""
+    lay = plan.layout.get(o_input)
+    if not isinstance(lay, Sharded):
+        raise NotHeadLocal("the output projection's input carries no head split")
+    width = shape(o_input)[-1]
+    if lay.dim != len(shape(o_input)) - 1 or lay.outer != 1 or lay.n * lay.inner != width:
+        raise NotHeadLocal(
+            "the attention output reaches the output projection with its heads not outermost "
+            f"in the features (split {lay}): a head group's columns are not one range"
+        )
 
 
 def post_chain(attention: fx.Node, o_linear: fx.Node) -> list[fx.Node]:

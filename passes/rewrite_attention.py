@@ -60,6 +60,7 @@ from .head_plan import (
     HeadPlan,
     NotHeadLocal,
     check_heads_align,
+    check_output_columns,
     head_rows,
     plan_heads,
     post_chain,
@@ -170,6 +171,7 @@ def _rewrite(gm, info, m: AttentionMatch, group: TSPGroup, shards: ShardInputs) 
     check_heads_align(heads, q_in, m.k_root, m.v_root)
     post = post_chain(attention, m.o_linear)
     heads.plan_post(post)
+    check_output_columns(heads, post[-1] if post else attention)
     kv_nodes = _ancestors_within([m.k_root, m.v_root], region_only) - _ancestors_within(
         [q_in], region_only
     )

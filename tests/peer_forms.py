@@ -17,6 +17,8 @@ import of those libraries: each form is copied in spirit, small and hand-written
 - ``v_dim``: values with a head size different from the queries' and keys' (SDPA allows it).
 - ``l2norm_qk``: q/k and the input normalised by ``F.normalize`` (x-transformers' q/k norm and
   RMSNorm): token-wise and head-local along the last dim.
+- ``heads_innermost_in`` / ``_out``: features read or written heads-innermost (einops'
+  ``(d h)``): skipped with the reason (they ran matched, with wrong or NaN outputs, before).
 - ``tiled_gqa``: K/V heads repeated tiled (einops' ``(r h)``): no head group holds its own keys,
   so it is skipped with that reason, never run with another head's keys.
 - ``nanogpt`` / ``nanogpt_finfo``: nanoGPT's eager attention, the causal mask applied with
@@ -232,6 +234,33 @@ class TiledGQA(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
+class HeadsInnermost(nn.Module):
+    """Features read with the heads innermost, einops' ``(d h)``: ``inward`` the projections'
+    outputs viewed ``[b, s, d, h]`` then permuted (here d = h, so a head group of the
+    projection lands on the call's head_dim), else the output laid out ``[b, s, d, h]`` before
+    the output projection (a head group's columns strided). Both are skipped with the reason."""
+
+    def __init__(self, inward: bool):
+        super().__init__()
+        self.inward = inward
+        _projections(self, "q k v o", HEADS * D_HEAD, HEADS * D_HEAD, HEADS * D_HEAD)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.inward:
+            q, k, v = (
+                t(x).view(b, s, D_HEAD, HEADS).permute(0, 3, 1, 2) for t in (self.q, self.k, self.v)
+            )
+        else:
+            q, k, v = (
+                t(x).view(b, s, HEADS, D_HEAD).transpose(1, 2) for t in (self.q, self.k, self.v)
+            )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.inward:
+            return self.o(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o(out.permute(0, 2, 3, 1).reshape(b, s, -1))
+
+
 class NanoGPTAttention(nn.Module):
     """nanoGPT / minGPT's eager path: one fused ``c_attn`` (with a bias) split into q, k, v,
     the causal mask applied with ``masked_fill`` (``tril(ones) == 0`` to ``-inf``); ``fill``:
@@ -286,6 +315,8 @@ ATTENTION = {
     "nanogpt_finfo": lambda: NanoGPTAttention(fill=True),
     "tiled_gqa": TiledGQA,
     "l2norm_qk": L2NormQK,
+    "heads_innermost_in": lambda: HeadsInnermost(inward=True),
+    "heads_innermost_out": lambda: HeadsInnermost(inward=False),
 }
 
 

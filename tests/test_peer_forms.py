@@ -142,19 +142,28 @@ def peer_worker(
     return out
 
 
-TILED = "does not keep a group's heads together"
+# forms whose attention no cut by contiguous head groups runs exactly: skipped, the reason
+SKIPPED = {
+    # einops' ``(r h)`` repetition pairs query head i with KV head i mod n
+    "tiled_gqa": "does not keep a group's heads together",
+    # the projections' head groups reach the call as its head_dim
+    "heads_innermost_in": "not the heads dim of [..., heads, seq, head_dim]",
+    # a head group's output-projection columns are strided
+    "heads_innermost_out": "heads not outermost in the features",
+}
 
 
-def test_tiled_kv_heads_are_skipped_with_the_reason(fake_group):
-    """einops' ``(r h)`` repetition pairs query head i with KV head i mod n: a head group's
-    queries would meet other heads' keys, so the attention is skipped (its MLP still runs)."""
+@pytest.mark.parametrize("form", list(SKIPPED))
+def test_attention_no_head_group_cut_runs_is_skipped_with_the_reason(form, fake_group):
+    """Each of these was matched and ran with other heads' values (or NaN) before the checks of
+    ``check_heads_align`` / ``check_output_columns``; now the attention is skipped, the MLP runs."""
     fake_group(0, 2)
-    rep = _compile_report("tiled_gqa")
+    rep = _compile_report(form)
     assert rep.level == "tsp", rep.summary()
     entries = {(e.kind, e.module): e for e in rep.entries}
     for i in (0, 1):
         att = entries[("attention", f"layers.{i}.attn")]
-        assert att.status == "skipped" and TILED in att.reason, rep.summary()
+        assert att.status == "skipped" and SKIPPED[form] in att.reason, rep.summary()
         assert entries[("mlp", f"layers.{i}.mlp")].status == "matched", rep.summary()
 
 
@@ -163,11 +172,11 @@ def test_peer_forms_equal_one_process():
     # one model holding a block of each form: two compiles (an even and an odd length)
     runs = spawn(peer_worker, 2, [list(MATCHED)], [16, 13], timeout=900)
     runs += spawn(peer_worker, 2, [list(FLEX)], [13], False, timeout=900)
-    # tiled KV heads: skipped, and the model's answer kept (it ran with other heads' keys)
-    tiled = spawn(peer_worker, 2, [["tiled_gqa"]], [13], timeout=900)
-    for r in (r for per_rank in tiled for r in per_rank):
+    # skipped attentions keep the model's answer (they ran with other heads' values before)
+    skipped = spawn(peer_worker, 2, [list(SKIPPED)], [13], timeout=900)
+    for r in (r for per_rank in skipped for r in per_rank):
         assert r["out_err"] < 1e-5 and r["grad_err"] < 1e-5, r
-        assert [e[2] for e in r["entries"] if e[0] == "attention"] == ["skipped"], r
+        assert [e[2] for e in r["entries"] if e[0] == "attention"] == ["skipped"] * 3, r
     for per_rank in runs:
         for r in per_rank:
             assert r["level"] == "tsp", r

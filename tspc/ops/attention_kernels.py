@@ -82,6 +82,10 @@ def _efficient_bias(bias, q, k):
 
 def _forward_same_heads(kernel, q, k, v, causal, bias, scale):
     if kernel == "cpu_flash":
+        # The aten kernel, unlike F.scaled_dot_product_attention in front of it, does not check
+        # strides: a head dim that is not the innermost (``view(b, s, d, h).permute(0, 3, 1,
+        # 2)``) reads garbage. Copy such operands, as the public SDPA does.
+        q, k, v = map(_last_dim_contiguous, (q, k, v))
         return aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale
         )
@@ -101,6 +105,7 @@ def _forward_same_heads(kernel, q, k, v, causal, bias, scale):
 
 def _backward_same_heads(kernel, go, q, k, v, out, lse, causal, bias, scale):
     if kernel == "cpu_flash":
+        go, q, k, v, out = map(_last_dim_contiguous, (go, q, k, v, out))
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             go, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
