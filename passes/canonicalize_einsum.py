@@ -7,9 +7,10 @@ Research code writes projections and attention products with ``einsum``:
     s = einsum("bhqd,bhkd->bhqk", q, k)           # scores: q @ k.permute(0, 1, 3, 2)
     o = einsum("bhqk,bhkd->bhqd", p, v)           # the value product: p @ v
 
-A call is lowered when it is a product over exactly one contracted index with at most one free
-index per operand and every other index a batch index of both operands and the output (what
-``bmm`` computes); a projection is the case where one operand is a 2-D parameter and the
+A call is lowered when it is a product over exactly one contracted index, every other index of
+an operand in the output (what ``bmm`` computes; an index of one operand only beyond its last
+free one is a batch index the other broadcasts over, as multi-query attention's keys without a
+heads index: ``bhid,bjd->bhij``); a projection is the case where one operand is a 2-D parameter and the
 contracted index is the other operand's last one. The operands are permuted to
 ``[batch..., free, contracted]`` / ``[batch..., contracted, free]`` (no-op permutes are left
 out), multiplied with ``matmul``, and the result permuted to the equation's output order. The
@@ -67,8 +68,8 @@ def _projection(sa: str, sb: str, out: str, b_is_weight: bool) -> str | None:
 
 
 def _bmm_plan(sa: str, sb: str, out: str):
-    """(perm of a, perm of b, perm of the product) lowering ``sa,sb->out`` to ``matmul``, or
-    None when it is not one contracted index with at most one free index per operand."""
+    """(the layout plan of a, of b, the product's permute) lowering ``sa,sb->out`` to
+    ``matmul``, or None when it is not a product over one contracted index."""
     if "." in sa + sb + out or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
         return None
     if len(set(out)) != len(out) or not set(out) <= set(sa) | set(sb):
@@ -77,18 +78,33 @@ def _bmm_plan(sa: str, sb: str, out: str):
     batch = [c for c in out if c in sa and c in sb]
     free_a = [c for c in sa if c not in sb]
     free_b = [c for c in sb if c not in sa]
-    if len(contracted) != 1 or len(free_a) > 1 or len(free_b) > 1:
+    if len(contracted) != 1:
         return None
     if set(free_a + free_b) - set(out) or len(batch) + len(free_a) + len(free_b) != len(out):
         return None
-    if len(free_a) != 1 or len(free_b) != 1:
+    if not free_a or not free_b:
         return None  # a vector product: matmul would drop a dim; left as it is
+    # Several free indices of one operand (multi-query attention's ``bhid,bjd->bhij``: keys
+    # without a heads index): the one the output has last is the matmul's row (column), the
+    # others batch indices the other operand broadcasts over (a size-1 dim there)
+    fa = max(free_a, key=out.index)
+    fb = max(free_b, key=out.index)
+    batch = [x for x in out if x not in (fa, fb)]
     (c,) = contracted
-    pa = [sa.index(x) for x in batch + free_a + [c]]
-    pb = [sb.index(x) for x in batch + [c] + free_b]
-    prod = batch + free_a + free_b
+    prod = batch + [fa, fb]
     po = [prod.index(x) for x in out]
-    return pa, pb, po
+    return _operand_plan(sa, batch, fa, c), _operand_plan(sb, batch, c, fb), po
+
+
+def _operand_plan(sx: str, batch: list[str], row: str, col: str):
+    """How one operand becomes ``[batch..., row, col]``: (the permute of its own indices, the
+    positions where it gets a size-1 dim, whether a last ``transpose(-2, -1)`` follows). An
+    operand that holds ``col`` before ``row`` (keys ``[..., j, d]`` in ``q @ k^T``) is laid out
+    ``[..., col, row]`` and transposed, the spelling the attention matcher reads."""
+    last = [col, row] if sx.index(col) < sx.index(row) else [row, col]
+    order = batch + last
+    perm = [sx.index(x) for x in order if x in sx]
+    return perm, [i for i, x in enumerate(order) if x not in sx], last[0] == col
 
 
 def _call(g: fx.Graph, target, args: tuple, like: fx.Node, method: bool = False) -> fx.Node:
@@ -105,6 +121,14 @@ def _permute(g: fx.Graph, x: fx.Node, perm: list[int], like: fx.Node) -> fx.Node
     if perm == list(range(len(perm))):
         return x
     return _call(g, "permute", (x, *perm), like, method=True)
+
+
+def _lay_out(g: fx.Graph, x: fx.Node, plan, like: fx.Node) -> fx.Node:
+    perm, size_one, transpose = plan
+    x = _permute(g, x, perm, like)
+    for d in size_one:  # ascending: each position is final once the earlier ones are inserted
+        x = _call(g, "unsqueeze", (x, d), like, method=True)
+    return _call(g, "transpose", (x, -2, -1), like, method=True) if transpose else x
 
 
 def canonicalize_einsum(gm: fx.GraphModule, params) -> int:
@@ -134,9 +158,8 @@ def canonicalize_einsum(gm: fx.GraphModule, params) -> int:
                 plan = _bmm_plan(sa, sb, out)
                 if plan is None:
                     continue
-                pa, pb, po = plan
-                pa_node = _permute(g, a, pa, node)
-                pb_node = _permute(g, b, pb, node)
+                plan_a, plan_b, po = plan
+                pa_node, pb_node = (_lay_out(g, x, p, node) for x, p in ((a, plan_a), (b, plan_b)))
                 new = _permute(g, _call(g, torch.matmul, (pa_node, pb_node), node), po, node)
         new.meta["tspc_canonical"] = "einsum"
         node.replace_all_uses_with(new)

@@ -226,6 +226,11 @@ def x_transformers_gqa() -> nn.Module:
     return _x_transformers(rotary_pos_emb=True, attn_kv_heads=KV_HEADS)
 
 
+def x_transformers_mqa() -> nn.Module:
+    # one KV head, scored with ``einsum('b h i d, b j d -> b h i j')`` (keys without heads)
+    return _x_transformers(rotary_pos_emb=True, attn_kv_heads=1)
+
+
 def einsum_decoder() -> nn.Module:
     from tests.einsum_model import EinsumDecoder
 
@@ -249,6 +254,7 @@ PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
         "einops attention, q/k l2-norm, F.normalize RMSNorm, nested GLU",
     ),
     "x-transformers gqa": (x_transformers_gqa, "x-transformers", "GQA by einops repeat"),
+    "x-transformers mqa": (x_transformers_mqa, "x-transformers", "multi-query einsum"),
 }
 
 
