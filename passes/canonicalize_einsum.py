@@ -67,7 +67,7 @@ def _projection(sa: str, sb: str, out: str, b_is_weight: bool) -> str | None:
     return "linear" if sb[1] == contracted else "matmul"
 
 
-def _bmm_plan(sa: str, sb: str, out: str):
+def _bmm_plan(sa: str, sb: str, out: str, broadcast: bool = True):
     """(the layout plan of a, of b, the product's permute) lowering ``sa,sb->out`` to
     ``matmul``, or None when it is not a product over one contracted index."""
     if "." in sa + sb + out or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
@@ -84,6 +84,8 @@ def _bmm_plan(sa: str, sb: str, out: str):
         return None
     if not free_a or not free_b:
         return None  # a vector product: matmul would drop a dim; left as it is
+    if not broadcast and (len(free_a) > 1 or len(free_b) > 1):
+        return None
     # Several free indices of one operand (multi-query attention's ``bhid,bjd->bhij``: keys
     # without a heads index): the one the output has last is the matmul's row (column), the
     # others batch indices the other operand broadcasts over (a size-1 dim there)
@@ -155,7 +157,10 @@ def canonicalize_einsum(gm: fx.GraphModule, params) -> int:
                 if new is not None:
                     break
             if new is None:
-                plan = _bmm_plan(sa, sb, out)
+                # A parameter's einsum (the einsum decoder's ``bsd,thed->tbhse``) is left
+                # whole: as a broadcast matmul it would copy its input once per weight slice
+                # and still be no projection the matchers read
+                plan = _bmm_plan(sa, sb, out, broadcast=a not in params and b not in params)
                 if plan is None:
                     continue
                 plan_a, plan_b, po = plan

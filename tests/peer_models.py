@@ -209,7 +209,10 @@ class _LogitsOnly(nn.Module):
 
 
 def _x_transformers(**kw) -> nn.Module:
+    from loguru import logger
     from x_transformers import Decoder, TransformerWrapper
+
+    logger.disable("x_transformers")  # its advice on rotary sizes for real training runs
 
     decoder = Decoder(dim=DIM, depth=LAYERS, heads=HEADS, attn_dim_head=DIM // HEADS, **kw)
     return _LogitsOnly(TransformerWrapper(num_tokens=VOCAB, max_seq_len=256, attn_layers=decoder))

@@ -63,3 +63,18 @@ def test_what_is_no_single_matmul_is_left_as_it_is(equation):
     gm, lowered, _, _ = _lowered(equation)
     assert lowered == 0
     assert "einsum" in [op_name(n) for n in gm.graph.nodes]
+
+
+def test_a_parameters_einsum_with_several_free_indices_is_left_whole():
+    """``bsd,thed->tbhse`` over a fused q/k/v weight: as a broadcast matmul it would copy the
+    input once per weight slice and still be no projection a matcher reads, so it stays."""
+
+    def f(x, w):
+        return torch.einsum("bsd,thed->tbhse", x, w)
+
+    x, w = torch.randn(2, 5, 6), torch.randn(3, 2, 4, 6)
+    gm, _ = capture(f, x, w)
+    weight = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    assert canonicalize_einsum(gm, {weight: None}) == 0
+    gm, _ = capture(f, x, w)
+    assert canonicalize_einsum(gm, {}) == 1  # two activations: lowered
