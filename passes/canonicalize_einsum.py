@@ -8,10 +8,11 @@ Research code writes projections and attention products with ``einsum``:
     o = einsum("bhqk,bhkd->bhqd", p, v)           # the value product: p @ v
 
 A call is lowered when it is a product over exactly one contracted index, every other index of
-an operand in the output (what ``bmm`` computes; an index of one operand only beyond its last
-free one is a batch index the other broadcasts over, as multi-query attention's keys without a
-heads index: ``bhid,bjd->bhij``); a projection is the case where one operand is a 2-D parameter and the
-contracted index is the other operand's last one. The operands are permuted to
+an operand in the output (what ``bmm`` computes). Of an operand's free indices the one the
+output has last is the matmul's row (column); any other is a batch index the other operand
+broadcasts over (multi-query attention's keys without a heads index: ``bhid,bjd->bhij``), except
+in a parameter's einsum, which stays whole. A projection is the case where one operand is a 2-D
+parameter and the contracted index is the other operand's last one. The operands are permuted to
 ``[batch..., free, contracted]`` / ``[batch..., contracted, free]`` (no-op permutes are left
 out), multiplied with ``matmul``, and the result permuted to the equation's output order. The
 values are the einsum's up to summation order. Any other call (three operands, repeated
