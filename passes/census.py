@@ -45,6 +45,16 @@ ATTENTION_CALLS = frozenset(
         "masked_attention",
     }
 )
+# Whole attention layers that Dynamo keeps as one call (``nn.MultiheadAttention`` and
+# ``nn.TransformerEncoderLayer``: their projections, heads and softmax inside): no matcher
+# reads into them, so the census names what they are.
+MODULE_CALLS = {
+    "multi_head_attention_forward": "torch.nn.MultiheadAttention's fused call "
+    "(F.multi_head_attention_forward), which tspc does not decompose: its in_proj and "
+    "out_proj weights run whole on every rank",
+    "_native_multi_head_attention": "torch.nn.MultiheadAttention's native fast path",
+    "_transformer_encoder_layer_fwd": "torch.nn.TransformerEncoderLayer's native fast path",
+}
 _SOFTMAX = ("softmax", "_softmax", "_safe_softmax")
 _PRODUCTS = ("matmul", "bmm", "einsum", "__matmul__", "mm")
 # between the score product and the softmax: scaling, masks, casts, softcapping, views
@@ -150,6 +160,8 @@ def _attention_form(node: fx.Node, params) -> str | None:
     name = op_name(node) or ""
     if name in ATTENTION_CALLS:
         return f"{name} call"
+    if name in MODULE_CALLS:
+        return MODULE_CALLS[name]
     if name not in _SOFTMAX:
         return None
     x = node.args[0] if node.args else None

@@ -96,6 +96,30 @@ def test_the_census_counts_each_attention_form_and_both_mlp_forms():
     assert got == want, [(i.kind, i.module, i.form) for i in items]
 
 
+def test_the_census_counts_torch_nn_multihead_attention():
+    """``nn.MultiheadAttention`` reaches the backend as one ``F.multi_head_attention_forward``
+    call (Dynamo keeps it whole): the census lists it, and the reason says it is not
+    decomposed, where the report used to say "no self-attention found" and nothing else."""
+    from tspc.passes.analyse import analyse
+    from tspc.passes.census import census
+
+    class Mha(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, H)
+            self.attn = nn.MultiheadAttention(H, HEADS, batch_first=True)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
+            return x + self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+    gm, inputs = capture(Mha().train(), torch.randint(0, VOCAB, (2, 8)))
+    items = census(gm, analyse(gm, inputs).params)
+    assert [(i.kind, i.module) for i in items] == [("attention", "attn")], items
+    assert "not decompose" in items[0].form
+
+
 def test_the_census_does_not_count_a_residual_between_two_projections():
     """``head(norm(x + w2(h)))`` projects back from the model width after an elementwise sum:
     no activation of one value lies between, so it is no MLP."""
