@@ -50,8 +50,8 @@ ATTENTION_CALLS = frozenset(
 # reads into them, so the census names what they are.
 MODULE_CALLS = {
     "multi_head_attention_forward": "torch.nn.MultiheadAttention's fused call "
-    "(F.multi_head_attention_forward), which tspc does not decompose: its in_proj and "
-    "out_proj weights run whole on every rank",
+    "(F.multi_head_attention_forward), left as one call: its in_proj and out_proj weights "
+    "run whole on every rank",
     "_native_multi_head_attention": "torch.nn.MultiheadAttention's native fast path",
     "_transformer_encoder_layer_fwd": "torch.nn.TransformerEncoderLayer's native fast path",
 }

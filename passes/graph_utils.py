@@ -311,9 +311,15 @@ def fqn_from_source(source_name: str) -> str:
     """``L['args'][0]._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``.
 
     Dynamo names a parameter by the access path from the compiled callable's arguments; the
-    leading ``L['self']`` / ``L['args'][0]`` is the module itself and is dropped.
+    leading ``L['self']`` / ``L['args'][0]`` is the module itself and is dropped — as is
+    ``L['s']`` when the model's ``forward`` names its first parameter otherwise (any argument
+    whose submodules or parameters are read is the module).
     """
-    m = re.match(r"^L\[['\"](?:self|args|kwargs)['\"]\](?:\[\d+\])?", source_name)
+    m = re.match(
+        r"^L\[['\"](?:(?:self|args|kwargs)['\"]\](?:\[\d+\])?"
+        r"|\w+['\"]\](?=\._(?:modules|parameters|buffers)\[))",
+        source_name,
+    )
     rest = source_name[m.end() :] if m else source_name
     parts = []
     for a, b, c in _SOURCE_PART.findall(rest):
@@ -331,7 +337,11 @@ def placeholder_fqn(node: fx.Node) -> str:
             pass
     # Fallback: Dynamo's placeholder names spell the same path with underscores, e.g.
     # l_self_modules_layers_modules_0_modules_attn_modules_q_proj_parameters_weight_
-    name = re.sub(r"^l_(?:self|args_\d+|kwargs)_", "", node.name.lower())
+    name = re.sub(
+        r"^l_(?:self|args_\d+|kwargs|[a-z0-9]+(?=_(?:modules|parameters|buffers)_))_",
+        "",
+        node.name.lower(),
+    )
     parts = [p for p in re.split(r"_?(?:modules|parameters|buffers)_", name) if p]
     return ".".join(p.strip("_") for p in parts)
 

@@ -41,6 +41,7 @@ from tspc.passes.analyse import (
 from tspc.passes.canonicalize_attention import canonicalize_eager_attention
 from tspc.passes.canonicalize_einsum import canonicalize_einsum
 from tspc.passes.canonicalize_flex import canonicalize_flex
+from tspc.passes.canonicalize_mha import canonicalize_mha
 from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
@@ -157,9 +158,15 @@ def _canonicalize_attention(ctx: PassContext) -> None:
     # matmul/softmax chain canonicalize_eager_attention reads
     if canonicalize_einsum(ctx.gm, ctx.info.params):
         ctx.report.notes.append("einsum calls lowered to linear/matmul")
+    mha = canonicalize_mha(ctx.gm)
     flex = canonicalize_flex(ctx.gm)
-    if any(f.replaced for f in flex):  # the mask classifier reads the new nodes' values
+    if any(f.replaced for f in mha + flex):  # the mask classifier reads the new nodes' values
         propagate_shapes(ctx.gm, ctx.example_inputs)
+    for f in mha:
+        if f.replaced:
+            ctx.report.notes.append(f"{f.module}: nn.MultiheadAttention's call written out as SDPA")
+        else:
+            ctx.report.entries.append(ModuleEntry("attention", f.module, "skipped", f.reason))
     for f in flex:
         if f.replaced:
             ctx.report.notes.append(f"{f.module}: FlexAttention with a {f.reason} mask as SDPA")
@@ -171,7 +178,7 @@ def _canonicalize_attention(ctx: PassContext) -> None:
             ctx.report.entries.append(
                 ModuleEntry("attention", e.module, "skipped", f"eager attention: {e.reason}")
             )
-    ctx.changed_by_eager = bool(eager) or any(f.replaced for f in flex)
+    ctx.changed_by_eager = bool(eager) or any(f.replaced for f in mha + flex)
 
 
 def _classify_masks(ctx: PassContext) -> None:
