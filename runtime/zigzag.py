@@ -120,17 +120,14 @@ def zigzag_unshard(
     if gathered.dtype == torch.bool:  # through uint8 (BOOL_THROUGH_UINT8)
         return zigzag_unshard(gathered.to(torch.uint8), dim, world, outer, inner) != 0
     parts, ldim = _split3(gathered, dim + 1 if dim >= 0 else dim, outer, inner)
-    # parts: [D, ..., outer, 2c, inner, ...] with the chunk pair at ldim + 1
-    two_c = parts.shape[ldim + 1]
-    c = two_c // 2
-    chunks = []
-    for j in range(2 * world):
-        if j < world:
-            src, off = j, 0
-        else:
-            src, off = 2 * world - 1 - j, c
-        chunks.append(parts[src].narrow(ldim, off, c))  # ldim shifts by -1 once [src] drops D
-    full = torch.cat(chunks, ldim)
+    # parts: [D, ..., outer, 2c, inner, ...] with the chunk pair at ldim + 1; once ``unbind``
+    # drops D, each rank's pair is at ldim. True order: every rank's first chunk, rank by rank,
+    # then every rank's second chunk, last rank first. ``unbind`` and ``split`` rather than an
+    # index and a slice per chunk: their gradients are one ``stack`` and one ``cat``, where
+    # those of indexing and slicing each fill a zero tensor of the gathered size, summed after.
+    c = parts.shape[ldim + 1] // 2
+    firsts, seconds = zip(*(part.split(c, ldim) for part in parts.unbind(0)))
+    full = torch.cat([*firsts, *reversed(seconds)], ldim)
     return full.flatten(ldim - 1, ldim + 1)
 
 

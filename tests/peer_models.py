@@ -1,6 +1,6 @@
 """Small random-weight models from libraries other than transformers (issue 26's peer zoo).
 
-Each builder makes a 2-layer model (width 64, 4 heads, 2 KV heads where the library has GQA,
+Each builder makes a model of ``layers`` decoder layers (2 by default) (width 64, 4 heads, 2 KV heads where the library has GQA,
 vocabulary 128) from the library's own model code, and returns a module that maps token ids
 ``[B, S]`` to logits. The libraries are a test extra installed into ``.peers/`` (see
 ``requirements-peers.txt`` and ``docs/models.md``): ``with_peers()`` puts that folder on
@@ -49,7 +49,7 @@ def _titan_layers(builder: Callable, **kw) -> list:
     return layers
 
 
-def titan_llama3() -> nn.Module:
+def titan_llama3(layers: int = LAYERS) -> nn.Module:
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.rope import ComplexRoPE
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
@@ -57,7 +57,7 @@ def titan_llama3() -> nn.Module:
     layers = _titan_layers(
         _build_llama3_layers,
         fuse_qkv=True,
-        n_layers=LAYERS,
+        n_layers=layers,
         dim=DIM,
         n_heads=HEADS,
         n_kv_heads=KV_HEADS,
@@ -74,7 +74,7 @@ def titan_llama3() -> nn.Module:
     ).build()
 
 
-def titan_qwen3() -> nn.Module:
+def titan_qwen3(layers: int = LAYERS) -> nn.Module:
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.rope import CosSinRoPE
     from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
@@ -83,7 +83,7 @@ def titan_qwen3() -> nn.Module:
     layers = _titan_layers(
         _build_qwen3_layers,
         fuse_qkv=True,
-        n_layers=LAYERS,
+        n_layers=layers,
         dim=DIM,
         n_heads=HEADS,
         n_kv_heads=KV_HEADS,
@@ -103,29 +103,35 @@ def titan_qwen3() -> nn.Module:
 
 
 # the arguments torchtune's model builders share
-_TUNE = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, embed_dim=DIM, max_seq_len=256)
+_TUNE = dict(vocab_size=VOCAB, num_heads=HEADS, embed_dim=DIM, max_seq_len=256)
 
 
-def tune_llama3() -> nn.Module:
+def tune_llama3(layers: int = LAYERS) -> nn.Module:
     from torchtune.models.llama3 import llama3
 
-    return llama3(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
+    return llama3(**_TUNE, num_layers=layers, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
 
 
-def tune_qwen2() -> nn.Module:
+def tune_qwen2(layers: int = LAYERS) -> nn.Module:
     from torchtune.models.qwen2 import qwen2
 
-    return qwen2(**_TUNE, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
+    return qwen2(**_TUNE, num_layers=layers, num_kv_heads=KV_HEADS, intermediate_dim=HIDDEN)
 
 
-def tune_gemma(kv_heads: int = KV_HEADS) -> nn.Module:
+def tune_gemma(layers: int = LAYERS, kv_heads: int = KV_HEADS) -> nn.Module:
     from torchtune.models.gemma import gemma
 
-    return gemma(**_TUNE, head_dim=DIM // HEADS, num_kv_heads=kv_heads, intermediate_dim=HIDDEN)
+    return gemma(
+        **_TUNE,
+        num_layers=layers,
+        head_dim=DIM // HEADS,
+        num_kv_heads=kv_heads,
+        intermediate_dim=HIDDEN,
+    )
 
 
-def tune_gemma_mqa() -> nn.Module:
-    return tune_gemma(kv_heads=1)  # Gemma-2B's multi-query attention
+def tune_gemma_mqa(layers: int = LAYERS) -> nn.Module:
+    return tune_gemma(layers, kv_heads=1)  # Gemma-2B's multi-query attention
 
 
 def _litgpt_model():
@@ -164,16 +170,17 @@ def _litgpt_model():
     return sys.modules["litgpt.model"]
 
 
-def _litgpt(**kw) -> nn.Module:
+def _litgpt(layers: int, **kw) -> nn.Module:
     model = _litgpt_model()
     from litgpt.config import Config
 
-    base = dict(block_size=256, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=LAYERS)
+    base = dict(block_size=256, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=layers)
     return model.GPT(Config(**base, n_head=HEADS, n_embd=DIM, **kw))
 
 
-def litgpt_llama() -> nn.Module:
+def litgpt_llama(layers: int = LAYERS) -> nn.Module:
     return _litgpt(
+        layers,
         n_query_groups=KV_HEADS,
         bias=False,
         parallel_residual=False,
@@ -183,10 +190,11 @@ def litgpt_llama() -> nn.Module:
     )
 
 
-def litgpt_pythia() -> nn.Module:
+def litgpt_pythia(layers: int = LAYERS) -> nn.Module:
     # Pythia / GPT-NeoX as litgpt writes it: parallel residual, LayerNorm, biases, a GELU MLP,
     # RoPE on a quarter of each head
     return _litgpt(
+        layers,
         n_query_groups=HEADS,
         bias=True,
         rotary_percentage=0.25,
@@ -208,36 +216,38 @@ class _LogitsOnly(nn.Module):
         return self.model(ids)
 
 
-def _x_transformers(**kw) -> nn.Module:
+def _x_transformers(layers: int, **kw) -> nn.Module:
     from loguru import logger
     from x_transformers import Decoder, TransformerWrapper
 
     logger.disable("x_transformers")  # its advice on rotary sizes for real training runs
 
-    decoder = Decoder(dim=DIM, depth=LAYERS, heads=HEADS, attn_dim_head=DIM // HEADS, **kw)
+    decoder = Decoder(dim=DIM, depth=layers, heads=HEADS, attn_dim_head=DIM // HEADS, **kw)
     return _LogitsOnly(TransformerWrapper(num_tokens=VOCAB, max_seq_len=256, attn_layers=decoder))
 
 
-def x_transformers_glu() -> nn.Module:
+def x_transformers_glu(layers: int = LAYERS) -> nn.Module:
     # einsum/einops attention (``Attend``), rotary embeddings, a GLU feed-forward whose fused
     # projection sits one module below the down projection (``Sequential(GLU, ..., Linear)``),
     # RMSNorm and q/k l2-norm written with ``F.normalize``
-    return _x_transformers(rotary_pos_emb=True, ff_glu=True, use_rmsnorm=True, attn_qk_norm=True)
+    return _x_transformers(
+        layers, rotary_pos_emb=True, ff_glu=True, use_rmsnorm=True, attn_qk_norm=True
+    )
 
 
-def x_transformers_gqa() -> nn.Module:
-    return _x_transformers(rotary_pos_emb=True, attn_kv_heads=KV_HEADS)
+def x_transformers_gqa(layers: int = LAYERS) -> nn.Module:
+    return _x_transformers(layers, rotary_pos_emb=True, attn_kv_heads=KV_HEADS)
 
 
-def x_transformers_mqa() -> nn.Module:
+def x_transformers_mqa(layers: int = LAYERS) -> nn.Module:
     # one KV head, scored with ``einsum('b h i d, b j d -> b h i j')`` (keys without heads)
-    return _x_transformers(rotary_pos_emb=True, attn_kv_heads=1)
+    return _x_transformers(layers, rotary_pos_emb=True, attn_kv_heads=1)
 
 
-def einsum_decoder() -> nn.Module:
+def einsum_decoder(layers: int = LAYERS) -> nn.Module:
     from tests.einsum_model import EinsumDecoder
 
-    return EinsumDecoder(VOCAB, DIM, HEADS, HIDDEN, LAYERS)
+    return EinsumDecoder(VOCAB, DIM, HEADS, HIDDEN, layers)
 
 
 # name -> (builder, the distribution whose version the table names, what it exercises)
@@ -261,11 +271,11 @@ PEER_MODELS: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The model ``name`` with deterministic random weights: every matrix N(0, 0.05), every
-    vector 1 + N(0, 0.1) (norm scales), the embedding N(0, 1)."""
+def build(name: str, seed: int = 0, layers: int = LAYERS) -> nn.Module:
+    """The model ``name`` with ``layers`` decoder layers and deterministic random weights: every
+    matrix N(0, 0.05), every vector 1 + N(0, 0.1) (norm scales), the embedding N(0, 1)."""
     with_peers()
-    model = PEER_MODELS[name][0]()
+    model = PEER_MODELS[name][0](layers)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
