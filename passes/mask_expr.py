@@ -183,7 +183,10 @@ class MaskEvaluator:
             return _fold_op(
                 "where", tuple(self.expr(t, self._bcast(t, out_shape, idx)) for t in (c, a, b))
             )
-        if name == "masked_fill":
+        if name in ("masked_fill", "masked_fill_"):
+            # in place too: torch's ``_canonical_mask`` writes a bool mask into zeros with
+            # ``masked_fill_`` (nn.MultiheadAttention's and nn.TransformerEncoder's masks); the
+            # node's value is the filled tensor
             x, m, v = node.args[0], node.args[1], arg(node, 2, "value")
             return _fold_op(
                 "where",

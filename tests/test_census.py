@@ -98,9 +98,11 @@ def test_the_census_counts_each_attention_form_and_both_mlp_forms():
 
 def test_the_census_counts_torch_nn_multihead_attention():
     """``nn.MultiheadAttention`` reaches the backend as one ``F.multi_head_attention_forward``
-    call (Dynamo keeps it whole): the census lists it, and the reason says it is not
-    decomposed, where the report used to say "no self-attention found" and nothing else."""
-    from tspc.passes.analyse import analyse
+    call (Dynamo keeps it whole): the census lists that call as attention (what it is, where a
+    call the pass leaves stays), and, once ``canonicalize_mha`` wrote it out, the SDPA call in
+    its place — the same module, where the report used to say "no self-attention found"."""
+    from tspc.passes.analyse import analyse, propagate_shapes
+    from tspc.passes.canonicalize_mha import canonicalize_mha
     from tspc.passes.census import census
 
     class Mha(nn.Module):
@@ -117,7 +119,13 @@ def test_the_census_counts_torch_nn_multihead_attention():
     gm, inputs = capture(Mha().train(), torch.randint(0, VOCAB, (2, 8)))
     items = census(gm, analyse(gm, inputs).params)
     assert [(i.kind, i.module) for i in items] == [("attention", "attn")], items
-    assert "not decompose" in items[0].form
+    assert "MultiheadAttention's fused call" in items[0].form
+    assert [c.replaced for c in canonicalize_mha(gm)] == [True]
+    propagate_shapes(gm, inputs)  # the new nodes' values, as the pipeline does
+    items = census(gm, analyse(gm, inputs).params)
+    assert [(i.kind, i.module, i.form) for i in items] == [("attention", "attn", "sdpa call")], (
+        items
+    )
 
 
 def test_the_census_does_not_count_a_residual_between_two_projections():
