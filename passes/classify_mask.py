@@ -153,6 +153,13 @@ def _condition(e, dtype: torch.dtype):
             return c, b[1]
         if b == ("const", 0) and a[0] == "const" and a[1] <= -1e4:
             return ("op", "not", (c,)), a[1]
+    if e[0] == "op" and e[1] == "add" and len(e[2]) == 2:
+        # two -inf masks added (an attention mask plus a key padding mask, as
+        # nn.MultiheadAttention adds them): where(C1 and C2, 0, -inf). Finite values are not
+        # folded: where both mask a key, their sum differs from either.
+        (c1, v1), (c2, v2) = (_condition(x, dtype) for x in e[2])
+        if c1 is not None and c2 is not None and v1 == v2 == float("-inf"):
+            return ("op", "and", (c1, c2)), v1
     return None, None
 
 

@@ -14,7 +14,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import arg, is_getitem, op_name, shape, tensor_val
+from .graph_utils import arg, is_getitem, op_name, set_fake_value, shape, tensor_val
 
 # --------------------------------------------------------------------------- expressions
 # Tuples, so that they hash and compare structurally:
@@ -305,6 +305,15 @@ class MaskEvaluator:
 # (classify_mask.py: the key padding term of a recognised mask, as a [B, S] tensor)
 
 
+def _valued(node: fx.Node) -> fx.Node:
+    """A new node with its fake value, so that a node built on it can be evaluated too (the
+    caller evaluates only the outermost); a node of constants alone is left without."""
+    try:
+        return set_fake_value(node)
+    except ValueError:
+        return node
+
+
 class KeyTermEmitter:
     """FX nodes computing a ``(b, k)`` expression as a ``[B, S]`` bool tensor."""
 
@@ -326,7 +335,7 @@ class KeyTermEmitter:
             raise Opaque(f"key term indexes {node} as {idx}")
         if kind == "bool":
             x = self.emit(e[1])
-            return g.call_method("ne", (x, 0))
+            return _valued(g.call_method("ne", (x, 0)))
         if kind == "op":
             args = [self.emit(a) if a[0] != "const" else a[1] for a in e[2]]
             fn = {
@@ -346,5 +355,5 @@ class KeyTermEmitter:
             }.get(e[1])
             if fn is None:
                 raise Opaque(f"op {e[1]}")
-            return g.call_function(fn, tuple(args))
+            return _valued(g.call_function(fn, tuple(args)))
         raise Opaque(f"expression {kind}")
