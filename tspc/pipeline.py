@@ -45,6 +45,7 @@ from tspc.passes.canonicalize_mha import canonicalize_mha
 from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
+from tspc.passes.functionalize_created import functionalize_created_tensors
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.keyed_random import key_random_ops
@@ -154,6 +155,14 @@ def _analyse(ctx: PassContext) -> None:
 
 
 def _canonicalize_attention(ctx: PassContext) -> None:
+    # a mask built in place (``zeros(S, S).masked_fill_(...)``) first: the passes read a
+    # node's value as what it computes, which the write would change behind them
+    written = functionalize_created_tensors(ctx.gm)
+    if written:
+        ctx.report.notes.append(
+            "in-place writes to in-graph tensors written out of place: " + ", ".join(written)
+        )
+        propagate_shapes(ctx.gm, ctx.example_inputs)
     # einsum projections and products first: the eager attention they spell is then the
     # matmul/softmax chain canonicalize_eager_attention reads
     if canonicalize_einsum(ctx.gm, ctx.info.params):
