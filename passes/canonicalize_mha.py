@@ -36,7 +36,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import eliminate_dead_code, is_getitem, node_module_fqn, op_name, shape
+from .graph_utils import (
+    eliminate_dead_code,
+    is_getitem,
+    node_module_fqn,
+    op_name,
+    shape,
+    tensor_val,
+)
 
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
@@ -73,7 +80,7 @@ def _why_not(a: dict, users: list[fx.Node]) -> str | None:
     if len(shape(q) or ()) != 3:
         return "unbatched input"
     masks = [m for m in (a["attn_mask"], a["key_padding_mask"]) if m is not None]
-    if any(not isinstance(m, fx.Node) or _value(m) is None for m in masks):
+    if any(not isinstance(m, fx.Node) or tensor_val(m) is None for m in masks):
         return "a mask that is not a tensor of the graph"
     if any(not is_getitem(u) or u.args[1] not in (0, 1) for u in users):
         return "its result is used other than as (output, weights)"
@@ -82,18 +89,19 @@ def _why_not(a: dict, users: list[fx.Node]) -> str | None:
     return None
 
 
-def _value(n: fx.Node):
-    return n.meta.get("val", n.meta.get("example_value"))
-
-
 def _additive(g: fx.Graph, mask: fx.Node, dtype: torch.dtype) -> fx.Node:
     """torch's ``_canonical_mask``: a bool mask (True = masked) as ``-inf`` to add, in the
     query's dtype; a float mask as it is."""
-    if _value(mask).dtype == torch.bool:
+    if tensor_val(mask).dtype == torch.bool:
         return g.call_method(
             "to", (g.call_function(torch.where, (mask, float("-inf"), 0.0)), dtype)
         )
     return mask
+
+
+def _heads_first(g: fx.Graph, t: fx.Node, heads: int, d: int) -> fx.Node:
+    """``[L, B, H*d]`` -> ``[B, H, L, d]``, with no shape constant but the heads'."""
+    return g.call_method("permute", (g.call_method("unflatten", (t, -1, (heads, d))), 1, 2, 0, 3))
 
 
 def _write_out(g: fx.Graph, node: fx.Node, a: dict) -> fx.Node:
@@ -103,23 +111,12 @@ def _write_out(g: fx.Graph, node: fx.Node, a: dict) -> fx.Node:
     kpm, mask = a["key_padding_mask"], a["attn_mask"]
     causal = bool(a["is_causal"]) and kpm is None and not a["need_weights"]
     dropout = a["dropout_p"] if a["training"] else 0.0
-    dtype = _value(x).dtype
+    dtype = tensor_val(x).dtype
     with g.inserting_before(node):
         qkv = g.call_function(F.linear, (x, a["in_proj_weight"], a["in_proj_bias"]))
         parts = g.call_method("chunk", (qkv, 3, -1))
         q, k, v = (
-            g.call_method(
-                "permute",
-                (
-                    g.call_method(
-                        "unflatten", (g.call_function(operator.getitem, (parts, i)), -1, (heads, d))
-                    ),
-                    1,
-                    2,
-                    0,
-                    3,
-                ),
-            )
+            _heads_first(g, g.call_function(operator.getitem, (parts, i)), heads, d)
             for i in range(3)
         )
         bias = None
