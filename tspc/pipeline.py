@@ -45,7 +45,7 @@ from tspc.passes.canonicalize_mha import canonicalize_mha
 from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
-from tspc.passes.functionalize_created import functionalize_created_tensors
+from tspc.passes.functionalize_created import UnsupportedWrite, functionalize_created_tensors
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.keyed_random import key_random_ops
@@ -115,6 +115,8 @@ class PassContext:
     info: Any = None  # passes.analyse.GraphInfo: the inputs (parameters, buffers, user inputs)
     checkpointed: bool = False  # the model had torch.utils.checkpoint regions (inlined)
     changed_by_eager: bool = False  # canonicalize_attention replaced eager attention
+    # why in-place writes stay in the graph (level 'replicated' only; the others raise)
+    writes_left: str | None = None
     att_matches: list = field(default_factory=list)
     mlp_matches: list = field(default_factory=list)
     moe_matches: list = field(default_factory=list)  # experts run expert-parallel
@@ -155,9 +157,18 @@ def _analyse(ctx: PassContext) -> None:
 
 
 def _canonicalize_attention(ctx: PassContext) -> None:
-    # a mask built in place (``zeros(S, S).masked_fill_(...)``) first: the passes read a
-    # node's value as what it computes, which the write would change behind them
-    written = functionalize_created_tensors(ctx.gm)
+    # in-place writes into tensors the graph builds (a mask built with ``masked_fill_``,
+    # ``h[:, 1:] = x[:, :-1]``) first: every pass reads a node's value as what it computes,
+    # which a write would change behind them
+    try:
+        written = functionalize_created_tensors(ctx.gm)
+    except UnsupportedWrite as e:
+        if ctx.level != "replicated":
+            raise
+        # unsharded, the writes run as written; no pass may read the values they change
+        ctx.writes_left = str(e)
+        ctx.report.notes.append(f"attention and masks left as written: {e}")
+        return
     if written:
         ctx.report.notes.append(
             "in-place writes to in-graph tensors written out of place: " + ", ".join(written)
@@ -191,6 +202,8 @@ def _canonicalize_attention(ctx: PassContext) -> None:
 
 
 def _classify_masks(ctx: PassContext) -> None:
+    if ctx.writes_left:
+        return
     masks = classify_masks(ctx.gm)
     ctx.report.masks = [vars(m) for m in masks]
     if masks or ctx.changed_by_eager:  # the graph changed: new nodes need their values
