@@ -45,7 +45,7 @@ from tspc.passes.canonicalize_mha import canonicalize_mha
 from tspc.passes.census import census, reconcile
 from tspc.passes.chunk_loss import chunk_loss
 from tspc.passes.classify_mask import classify_masks
-from tspc.passes.functionalize_created import UnsupportedWrite, functionalize_created_tensors
+from tspc.passes.functionalize_writes import UnsupportedWrite, functionalize_writes
 from tspc.passes.graph_utils import eliminate_dead_code
 from tspc.passes.inline_checkpoint import inline_checkpoints
 from tspc.passes.keyed_random import key_random_ops
@@ -161,7 +161,8 @@ def _canonicalize_attention(ctx: PassContext) -> None:
     # ``h[:, 1:] = x[:, :-1]``) first: every pass reads a node's value as what it computes,
     # which a write would change behind them
     try:
-        written = functionalize_created_tensors(ctx.gm)
+        inputs = [i.node for i in ctx.info.user_inputs]
+        written = functionalize_writes(ctx.gm, inputs)
     except UnsupportedWrite as e:
         if ctx.level != "replicated":
             raise
@@ -171,7 +172,7 @@ def _canonicalize_attention(ctx: PassContext) -> None:
         return
     if written:
         ctx.report.notes.append(
-            "in-place writes to in-graph tensors written out of place: " + ", ".join(written)
+            "in-place writes made pure: " + ", ".join(written)
         )
         propagate_shapes(ctx.gm, ctx.example_inputs)
     # einsum projections and products first: the eager attention they spell is then the

@@ -1,6 +1,6 @@
 """``written_copy``: an in-place write replayed on a copy, as one pure call in a graph.
 
-``passes/functionalize_created.py`` turns a write into a tensor the graph built (``h[:, 1:] =
+``passes/functionalize_writes.py`` turns a write into a tensor the graph built (``h[:, 1:] =
 x[:, :-1]``, ``y.transpose(0, 1)[0].mul_(2)``) into a call of this function: the passes then
 see a value that depends on its inputs only, and torch itself runs the write — the same views,
 the same in-place op, so the same values, dtype casts and broadcasting — on a clone. Traced by

@@ -23,15 +23,21 @@ in graph order keeps the storage's *current value* as a node:
   replayed on the current value (the same view ops, copied), so readers before and after a
   write see what torch's aliasing gives them.
 
-Writes into graph inputs and attributes (a KV cache, a module buffer) are left as they are: the
-caller sees those. A write into a graph-created storage this pass cannot express (an ``out=``
+Writes into the inputs the caller names (``inputs``: the pipeline names the user's inputs, which
+the sequence pass cuts to each rank's tokens — a write at a token index, ``x[:, -1] = 0``, would
+land on the wrong token) are made pure the same way, and the last value is copied back into the
+caller's tensor at the end of the graph. Writes into module tensors (a KV cache, a running
+statistic) are left as they are: they are whole on every rank, and the caller sees them. A write into a graph-created storage this pass cannot express (an ``out=``
 argument, an ATen op writing several arguments, a view it cannot replay) raises
 ``UnsupportedWrite``: the pipeline then runs the graph unsharded, which is exact.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +106,29 @@ def _step(n: fx.Node) -> tuple:
     return (name, tuple(n.args[1:]), dict(n.kwargs))
 
 
+@functools.cache
+def _inplace_position(fn) -> int | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def _inplace_flag(n: fx.Node) -> tuple[tuple, dict] | None:
+    """``n``'s arguments with its ``inplace=True`` set to False (``F.relu(x, inplace=True)``,
+    ``F.dropout(x, 0.1, True, True)``, as Dynamo records ``nn.ReLU(inplace=True)`` and
+    ``nn.Dropout(inplace=True)``), or None."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    if n.kwargs.get("inplace") is True:
+        return n.args, {**n.kwargs, "inplace": False}
+    at = _inplace_position(n.target)
+    if at is not None and len(n.args) > at and n.args[at] is True:
+        return (*n.args[:at], False, *n.args[at + 1 :]), dict(n.kwargs)
+    return None
+
+
 def _written(n: fx.Node) -> fx.Node | None:
     """The node ``n`` writes in place, if it is a data write."""
     if n.op == "call_method" and n.target in _METADATA_ONLY:
@@ -108,9 +137,7 @@ def _written(n: fx.Node) -> fx.Node | None:
     if not written:
         if isinstance(n.kwargs.get("out"), fx.Node):
             return n.kwargs["out"]
-        if n.kwargs.get("inplace") is True and n.args and isinstance(n.args[0], fx.Node):
-            return n.args[0]
-        return None
+        return n.args[0] if _inplace_flag(n) is not None else None
     return written[0] if len(written) == 1 else written[-1]
 
 
@@ -271,13 +298,19 @@ def _fill_fits(base: fx.Node, value: object) -> bool:
 
 def _new_value(make: _Builder, st: _Storage, write: fx.Node, target: fx.Node) -> fx.Node:
     """The storage's value after ``write`` (into ``target``, a node of the storage)."""
+    path = st.paths[target]
+    cur, b = st.current, st.base
+    flagged = _inplace_flag(write)
+    if flagged is not None:  # F.relu(x, inplace=True): the same call with inplace=False
+        if path:
+            raise UnsupportedWrite(f"'{write.name}' ({write.target}) writes a view in place")
+        args, kwargs = flagged
+        return make("call_function", write.target, (cur, *args[1:]), kwargs)
     name = _method_name(write)
     if name is None:
         raise UnsupportedWrite(f"'{write.name}' ({write.target}) writes in a form not replayable")
-    if isinstance(write.kwargs.get("out"), fx.Node) or "inplace" in write.kwargs:
-        raise UnsupportedWrite(f"'{write.name}' ({write.target}) writes through an argument")
-    path = st.paths[target]
-    cur, b = st.current, st.base
+    if isinstance(write.kwargs.get("out"), fx.Node):
+        raise UnsupportedWrite(f"'{write.name}' ({write.target}) writes through out=")
     shape, device = tensor_val(b).shape, tensor_val(b).device
     if not path:  # the whole tensor: the out-of-place twin
         fn = _OPERATOR_TWINS.get(write.target)
@@ -305,10 +338,14 @@ def _new_value(make: _Builder, st: _Storage, write: fx.Node, target: fx.Node) ->
     return make("call_function", written_copy, (cur, views, _step(write)))
 
 
-def functionalize_created_tensors(gm: fx.GraphModule) -> list[str]:
+def functionalize_writes(gm: fx.GraphModule, inputs: Iterable[fx.Node] = ()) -> list[str]:
     """Make every in-place write into a storage the graph creates pure (module docstring);
-    the written nodes' names. Raises ``UnsupportedWrite`` for a write it cannot express."""
+    the written nodes' names. ``inputs``: graph inputs (placeholders) whose writes are made
+    pure too, each written back to the caller's tensor once, at the end of the graph (a node
+    marked ``tspc_keep_full``: it writes the whole input, not this rank's tokens). Raises
+    ``UnsupportedWrite`` for a write it cannot express."""
     g = gm.graph
+    pure_inputs = set(inputs)
     nodes = list(g.nodes)
     by_key: dict = {}
     for n in nodes:
@@ -322,8 +359,9 @@ def functionalize_created_tensors(gm: fx.GraphModule) -> list[str]:
         if k is None or k not in by_key:
             continue
         members = by_key[k]
-        if any(m.op in ("placeholder", "get_attr") for m in members):
-            continue  # a graph input or a module's tensor: the caller sees the write
+        outside = [m for m in members if m.op in ("placeholder", "get_attr")]
+        if outside and (len(outside) > 1 or outside[0] not in pure_inputs):
+            continue  # a module's tensor or an input left to the caller: it sees the write
         while t in writes:  # ``w += 1; w.relu_()``: the second writes what the first returned
             t = writes[t][1]
         writes[n] = (k, t)
@@ -391,6 +429,12 @@ def functionalize_created_tensors(gm: fx.GraphModule) -> list[str]:
             n.replace_all_uses_with(replay(target, n))
         done.append(f"{_method_name(n)} on {st.base.name}")
         g.erase_node(n)
+    for st in storages.values():  # the caller's tensor gets what the writes left in it
+        if st.base.op == "placeholder":
+            with g.inserting_before(g.output_node()):
+                back = g.call_method("copy_", (st.base, st.current))
+            back.meta["tspc_keep_full"] = True
+            done.append(f"{st.base.name} written back")
     # views of old values that only the erased writes read
     original = set(nodes)
     for n in reversed(list(g.nodes)):
