@@ -221,11 +221,17 @@ def compile_with_inductor(g: fx.GraphModule, ex, is_backward: bool) -> Callable:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
+    # No layout optimisation: with a convolution in the graph Inductor may store a saved
+    # activation channels-last in the forward, which the backward (compiled here, with the
+    # forward: ``eager_backward_compile``) then reads as contiguous — a graph traced with a
+    # symbolic length crashed so (a causal conv1d over the tokens, Mamba-style).
     if not any(_is_collective(n) for n in g.graph.nodes):
-        return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
+        with inductor_config.patch(layout_optimization=False):
+            return compile_fx_inner(g, ex, is_backward=is_backward)  # nothing to keep in place
     with (
         comm.lowered_for_inductor(),  # the starts as Inductor collective kernels (runtime/comm.py)
         inductor_config.patch(
+            layout_optimization=False,
             reorder_for_peak_memory=False,
             reorder_for_locality=False,
             post_grad_custom_post_pass=_split_addmm_pass(),
