@@ -225,6 +225,26 @@ def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: b
     )
 
 
+def bind_to_replicated(entry: ShardedParam, tp: TSPParam) -> None:
+    """A later graph reads slices of a weight an earlier graph of the same model reads whole
+    (a module matched at one length and skipped at another): the slices are views of the
+    replicated DTensor the module already holds, so the gradient lands on the module's own
+    parameter, summed over the group (``local_views``); the weight stays whole, since the
+    earlier graph still reads it so. A new DTensor here would take the later graph's
+    gradients where no optimizer sees them."""
+    entry.placement = ("replicate",)
+    entry.offsets = {s: s.start for s in entry.own}
+    entry.dparam = tp.dparam
+    warnings.warn(
+        f"tspc: a weight of shape {tuple(entry.full_shape)} that this graph shards is read "
+        "whole by a graph compiled earlier for the same model (a module left unsharded at "
+        "another sequence length): it stays whole on every rank, so its memory is not 1/D. "
+        "The compile reports name the module; tspc.last_report() per graph.",
+        TSPHeldWholeWarning,
+        stacklevel=3,
+    )
+
+
 def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Parameter:
     two_d = make_dparam(p.detach(), Replicate(), group, p, STORE.held_whole(p))
     if two_d is not None:  # data_parallel="fsdp": split over the mesh (runtime/dp_shard.py)

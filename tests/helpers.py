@@ -324,6 +324,9 @@ def grad_err_vs(ref: torch.nn.Module, model: torch.nn.Module) -> float:
     pairs = []
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        pairs.append((p_ref.grad, g))
+        if (g is None) != (p_ref.grad is None):  # a gradient lost (or made up): no match
+            return float("inf")
+        if g is not None:
+            pairs.append((p_ref.grad, g))
     floor = 1e-4 * max(r.abs().max().item() for r, _ in pairs)
     return max(((g - r).abs().max() / max(r.abs().max().item(), floor)).item() for r, g in pairs)

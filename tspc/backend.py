@@ -44,11 +44,13 @@ from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
 from tspc.runtime.tsp_params import (
     adopt,
+    bind_to_replicated,
     create_sharded_dparam,
     graph_input,
     layout_placement,
     local_views,
     prepare,
+    tsp_param_of,
 )
 
 from . import compiles
@@ -364,7 +366,10 @@ class _CompiledTSPGraph:
                 entry = STORE.get(flat[i])
                 if entry is None:
                     entry = STORE.declare(flat[i], self.layouts[i], g.name, g.rank, g.size)
-                if entry.dparam is None:  # the first call: cut this rank's slices
+                earlier = tsp_param_of(flat[i]) if entry.dparam is None else None
+                if earlier is not None and earlier.entry is None:  # read whole by a TSP graph
+                    bind_to_replicated(entry, earlier)
+                elif entry.dparam is None:  # the first call: cut this rank's slices
                     # kept whole: this graph reads it whole, or a plain (fallback) graph does
                     keep = i not in self.releasable or STORE.held_whole(flat[i])
                     create_sharded_dparam(flat[i], entry, keep_whole=keep)
