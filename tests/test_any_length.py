@@ -333,6 +333,7 @@ def mistral_worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_mistral_default_config_runs_tsp():
     """The default sliding window (4096) is wider than the sequence: plain causal attention,
     on the TSP schedules (it used to fail the pipeline and fall back to 'sp'). Also 31 tokens

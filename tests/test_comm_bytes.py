@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import D4_EXTENDED
 from tspc.launch import spawn
 
 
@@ -114,7 +115,7 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, D4_EXTENDED])
 def test_bytes_received_per_layer_match_formula(world):
     results = spawn(bytes_worker, world, CASES, timeout=600)
     beta = 4  # fp32

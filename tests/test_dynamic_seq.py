@@ -200,6 +200,7 @@ def _sharded_dumped_steps(rank, world, dump_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_one_program_at_d4_with_sharded_outputs_and_a_dump(tmp_path):
     results = spawn(_sharded_dumped_steps, 4, str(tmp_path), timeout=600)
     for rank, r in enumerate(results):

@@ -250,6 +250,7 @@ def launch_two_nodes(out: str, timeout: float = 600) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_node_torchrun_equals_one_process(tmp_path):
     from samples.train_fsdp_2d import train_one_process
 

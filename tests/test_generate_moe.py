@@ -64,12 +64,16 @@ def _check(cases: list) -> None:
             assert r["logits"] < 1e-4, r
 
 
+# the suite's share: uneven experts (E = 3 on D = 2) and every expert on every token (Llama-4)
+SUITE_CASES = [c for c in CASES if c[1] or c[0] == "llama4_text"]
+
+
 @pytest.mark.slow
 def test_moe_generate_equals_one_process_d2():
-    _check(CASES)
+    _check(SUITE_CASES)
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 def test_moe_generate_router_variants_equal_one_process_d2():
-    _check([(f, {}) for f in ROUTER_REPEATS])
+    _check([c for c in CASES if c not in SUITE_CASES] + [(f, {}) for f in ROUTER_REPEATS])

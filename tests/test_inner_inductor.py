@@ -164,6 +164,7 @@ def test_inductor_failure_on_one_graph_keeps_tsp_and_the_numbers():
         assert any("Inductor failed on the rewritten backward" in n for n in r["notes"]), r
 
 
+@pytest.mark.extended
 def test_a_gathered_bool_mask_compiles_with_inductor(fake_group):
     """Llama-4's chunked mask under left padding with eager attention, graph-only as rank 0 of
     2: the padding mask is all-gathered and put back in true order (``zigzag_unshard``), a cat

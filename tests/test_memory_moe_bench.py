@@ -11,6 +11,7 @@ from bench.memory_moe import QUICK, format_table, run
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_quick_moe_rows_train_the_same_model():
     rows = run(QUICK, "train", (2,))
     keys = [(r.key, r.devices) for r, _, _ in rows]

@@ -77,6 +77,7 @@ def moe_load_worker(rank: int, world: int, args: tuple[str, str]) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_moe_dcp_round_trip_2_to_4_to_one_process(tmp_path):
     root = str(tmp_path)
     saved = spawn(moe_save_worker, 2, root, timeout=900)

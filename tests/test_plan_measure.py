@@ -101,6 +101,7 @@ def test_measure_runs_the_tsp_rewrite_within_a_factor_of_the_analytic_figure():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_layer_extrapolation_equals_the_full_depth():
     deep = ModelShape(
         hidden=64, layers=4, heads=4, kv_heads=4, intermediate=128, vocab=128, name="deep"

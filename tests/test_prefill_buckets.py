@@ -119,7 +119,7 @@ def _serve(rank: int, world: int, tsp: bool = True) -> dict:
     return {"tokens": tokens, "compiles": counters["tspc"]["compiles"] - before}
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_serving_loop_compiles_once_per_batch_bucket(world):
     one = spawn(_serve, 1, False)[0]
     for rank, res in enumerate(spawn(_serve, world, True, timeout=600)):

@@ -17,7 +17,7 @@ import torch
 from tspc.launch import spawn
 
 # the suite's share; the extended tier (TSPC_EXTENDED=1) draws more
-N_EXAMPLES = 60 if os.environ.get("TSPC_EXTENDED") else 16
+N_EXAMPLES = 60 if os.environ.get("TSPC_EXTENDED") else 10
 
 
 def property_worker(rank: int, world: int, n_examples: int) -> dict:

@@ -5,7 +5,8 @@ Every op below reads other tokens than its own — a running sum, a shift, a cau
 a token-by-token product — and sits twice in a small causal model (before the attention and
 after it). The sequence pass must either keep it token-wise with the right halo or gather what
 it reads; either way logits and every gradient equal one process, at a length that splits into
-2D chunks (16) and one that is padded (13).
+2D chunks (16) and one that is padded (13), at D = 2 (the extended tier: the suite runs the one
+below).
 
 Found here: with a convolution in the graph, Inductor's layout optimisation stored a saved
 activation channels-last while the backward read it as contiguous — the second compile (a
@@ -124,10 +125,9 @@ def _check(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_token_mixing_ops_equal_one_process():
-    # the conv at a second length: the recompile with a symbolic length (the crash above)
-    cases = {"causal conv": (16, 12), "shift by cat": (13,), "scatter_add": (13,)}
-    _check(spawn(mixing_worker, 2, cases, timeout=900)[0])
+def test_causal_conv_under_inductor_at_a_second_length():
+    # the recompile with a symbolic length (the crash above; D = 1 crashed as D = 2 did)
+    _check(spawn(mixing_worker, 1, {"causal conv": (16, 12)}, timeout=900)[0])
 
 
 @pytest.mark.extended

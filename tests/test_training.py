@@ -136,8 +136,16 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=["loss-outside", "loss-in-graph-gqa"])
+@pytest.mark.parametrize(
+    "case, world",
+    [
+        pytest.param(CASES[0], 2, id="loss-outside-2"),
+        pytest.param(CASES[1], 2, id="loss-in-graph-gqa-2"),
+        # D = 4 in the suite once (the GQA case); both in the extended tier
+        pytest.param(CASES[0], 4, id="loss-outside-4", marks=pytest.mark.extended),
+        pytest.param(CASES[1], 4, id="loss-in-graph-gqa-4"),
+    ],
+)
 def test_training_matches_one_process(world, case):
     if case["seq"] % (2 * world):
         case = {**case, "seq": 8 * world}

@@ -171,9 +171,7 @@ def _canonicalize_attention(ctx: PassContext) -> None:
         ctx.report.notes.append(f"attention and masks left as written: {e}")
         return
     if written:
-        ctx.report.notes.append(
-            "in-place writes made pure: " + ", ".join(written)
-        )
+        ctx.report.notes.append("in-place writes made pure: " + ", ".join(written))
         propagate_shapes(ctx.gm, ctx.example_inputs)
     # einsum projections and products first: the eager attention they spell is then the
     # matmul/softmax chain canonicalize_eager_attention reads
