@@ -153,6 +153,16 @@ def _condition(e, dtype: torch.dtype):
             return c, b[1]
         if b == ("const", 0) and a[0] == "const" and a[1] <= -1e4:
             return ("op", "not", (c,)), a[1]
+        # a mask written over another with the same masked value (``mask[:, :2] = -inf`` on
+        # a causal mask, made pure as a masked_fill): attend where neither masks
+        if a[0] == "const" and a[1] <= -1e4:
+            rest, value = _condition(b, dtype)
+            if rest is not None and value == a[1]:
+                return ("op", "and", (("op", "not", (c,)), rest)), value
+        if b[0] == "const" and b[1] <= -1e4:
+            rest, value = _condition(a, dtype)
+            if rest is not None and value == b[1]:
+                return ("op", "and", (c, rest)), value
     if e[0] == "op" and e[1] == "add" and len(e[2]) == 2:
         # two -inf masks added (an attention mask plus a key padding mask, as
         # nn.MultiheadAttention adds them): where(C1 and C2, 0, -inf). Finite values are not
@@ -344,6 +354,9 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
                 dropped.append("an always-true comparison")
                 longest.append(bound + 1)
                 continue
+            if _vars(p) <= {0, 3}:  # keys hidden by index (``mask[:, :2] = -inf``): key padding
+                key_terms.append(p)
+                continue
             return f"unsupported index condition {p}"
         if _vars(p) <= {0, 3}:
             key_terms.append(p)
@@ -514,7 +527,7 @@ def classify_masks(gm: fx.GraphModule) -> list[MaskReport]:
             if meaning.key_valid not in key_nodes:
                 try:
                     with g.inserting_before(node):
-                        kv = KeyTermEmitter(g, qs[0], ks[2]).emit(meaning.key_valid)
+                        kv = KeyTermEmitter(g, qs[0], ks[2], a["query"]).emit(meaning.key_valid)
                         if tensor_val(kv) is None:
                             set_fake_value(kv)
                         if tensor_val(kv).dtype != torch.bool:

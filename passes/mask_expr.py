@@ -317,14 +317,30 @@ def _valued(node: fx.Node) -> fx.Node:
 class KeyTermEmitter:
     """FX nodes computing a ``(b, k)`` expression as a ``[B, S]`` bool tensor."""
 
-    def __init__(self, g: fx.Graph, b: int, s: int):
+    def __init__(self, g: fx.Graph, b: int, s: int, like: fx.Node | None = None):
+        """``like``: a node whose fake value gives the device (and the fake mode of the
+        index tensors, which have no input to take one from)."""
         self.g, self.b, self.s = g, b, s
+        self.like = tensor_val(like) if like is not None else None
+        self.device = self.like.device if self.like is not None else None
 
     def emit(self, e):
         g = self.g
         kind = e[0]
         if kind == "const":
-            return g.call_function(torch.full, ((self.b, self.s), e[1]))
+            return g.call_function(torch.full, ((self.b, self.s), e[1]), {"device": self.device})
+        if kind == "idx" and e[1] in (0, 3) and self.like is not None:
+            # the batch or key index itself (``mask[:, :2] = -inf`` hides keys by index)
+            n = self.b if e[1] == 0 else self.s
+            ar = g.call_function(torch.arange, (n,), {"device": self.device})
+            with self.like.fake_mode:
+                ar.meta["val"] = torch.arange(n, device=self.device)
+            view = (n, 1) if e[1] == 0 else (1, n)
+            return _valued(
+                g.call_method(
+                    "expand", (_valued(g.call_method("view", (ar, *view))), self.b, self.s)
+                )
+            )
         if kind == "leaf":
             node, idx = e[1], e[2]
             ns = shape(node)

@@ -58,6 +58,9 @@ class InPlaceMask(nn.Module):
             mask = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
             mask[:, :2] = float("-inf")
             mask[:2, :2] = 0.0  # (but from themselves: no query row sees no key)
+        elif self.variant == "key columns":  # causal, the first two keys hidden from all
+            mask = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
+            mask[:, :2] = float("-inf")  # (queries 0 and 1 see no key: SDPA gives them 0)
         elif self.variant == "view fill":  # the same, written through a view
             mask = torch.full((s, s), float("-inf"), device=ids.device).triu(1)
             mask[2:, :2].fill_(float("-inf"))
@@ -104,6 +107,7 @@ VARIANTS = {  # variant: the writes made pure
     "chained": 2,
     "read before": 1,
     "setitem": 2,
+    "key columns": 1,
     "view fill": 1,
     "shift": 1,
     "token zeroed": 1,
@@ -194,11 +198,13 @@ GLOO_CASES = {
     "masked_fill_": (16, 13),
     "triu_": (16,),
     "setitem": (13,),
+    "key columns": (16, 13),
     "shift": (16, 13),
     "token zeroed": (13,),
 }
-# what the mask classifier reads each variant's mask as (an unrecognised one runs exactly on
-# its own rows: "dense_rows")
+# what the mask classifier reads each variant's mask as: "key columns" as causal + key padding
+# (the keys hidden by index); "setitem" also unhides a block, not a conjunction: it runs exactly
+# on its own rows ("dense_rows")
 MASK_KIND = {"setitem": "dense_rows"}
 
 
