@@ -354,10 +354,10 @@ def classify(mask: fx.Node, s_q: int, s_k: int, fold_limit: int | None = None) -
                 dropped.append("an always-true comparison")
                 longest.append(bound + 1)
                 continue
-            if _vars(p) <= {0, 3}:  # keys hidden by index (``mask[:, :2] = -inf``): key padding
-                key_terms.append(p)
-                continue
-            return f"unsupported index condition {p}"
+            if not _vars(p) <= {0, 3}:
+                return f"unsupported index condition {p}"
+        # terms of (b, k) only: key padding (an input's, or keys hidden by index, as in
+        # ``mask[:, :2] = -inf``)
         if _vars(p) <= {0, 3}:
             key_terms.append(p)
             continue

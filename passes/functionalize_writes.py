@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tspc.ops.writes import written_copy
 
-from .graph_utils import is_view, mutated_args, tensor_val
+from .graph_utils import INPLACE_OPERATORS, is_view, mutated_args, tensor_val
 
 # ``x += y`` and the like: Dynamo records them as these operator calls on tensors
 _OPERATOR_TWINS = {
@@ -54,13 +54,6 @@ _OPERATOR_TWINS = {
     operator.isub: operator.sub,
     operator.imul: operator.mul,
     operator.itruediv: operator.truediv,
-}
-_OPERATOR_DUNDERS = {
-    operator.setitem: "__setitem__",
-    operator.iadd: "__iadd__",
-    operator.isub: "__isub__",
-    operator.imul: "__imul__",
-    operator.itruediv: "__itruediv__",
 }
 # in-place by name, no data written
 _METADATA_ONLY = {"requires_grad_", "retain_grad", "share_memory_"}
@@ -88,8 +81,8 @@ def _method_name(n: fx.Node) -> str | None:
         return n.target
     if n.op != "call_function":
         return None
-    if n.target in _OPERATOR_DUNDERS:
-        return _OPERATOR_DUNDERS[n.target]
+    if n.target in INPLACE_OPERATORS:
+        return INPLACE_OPERATORS[n.target]
     if n.target is operator.getitem:
         return "__getitem__"
     name = getattr(n.target, "__name__", None)
@@ -138,7 +131,7 @@ def _written(n: fx.Node) -> fx.Node | None:
         if isinstance(n.kwargs.get("out"), fx.Node):
             return n.kwargs["out"]
         return n.args[0] if _inplace_flag(n) is not None else None
-    return written[0] if len(written) == 1 else written[-1]
+    return written[-1]
 
 
 @dataclass
@@ -313,13 +306,17 @@ def _new_value(make: _Builder, st: _Storage, write: fx.Node, target: fx.Node) ->
         raise UnsupportedWrite(f"'{write.name}' ({write.target}) writes through out=")
     shape, device = tensor_val(b).shape, tensor_val(b).device
     if not path:  # the whole tensor: the out-of-place twin
-        fn = _OPERATOR_TWINS.get(write.target)
-        if fn is None and name.endswith("_") and hasattr(torch.Tensor, name[:-1]):
+        rest = (cur, *write.args[1:])
+        if write.target in _OPERATOR_TWINS:
+            fn = _OPERATOR_TWINS[write.target]
+            twin = ("call_function", fn, rest, write.kwargs)
+        elif name.endswith("_") and hasattr(torch.Tensor, name[:-1]):
             fn = getattr(torch.Tensor, name[:-1])
+            twin = ("call_method", name[:-1], rest, write.kwargs)
+        else:
+            fn = None
         if fn is not None and _twin_keeps_dtype(fn, b, write.args[1:], write.kwargs):
-            if write.target in _OPERATOR_TWINS:
-                return make("call_function", fn, (cur, *write.args[1:]), write.kwargs)
-            return make("call_method", name[:-1], (cur, *write.args[1:]), write.kwargs)
+            return make(*twin)
     value = _fill_value(write, name)
     index = None
     if value is not None and _fill_fits(b, value):
@@ -374,12 +371,12 @@ def functionalize_writes(gm: fx.GraphModule, inputs: Iterable[fx.Node] = ()) -> 
         members = by_key[k]
         st = _Storage(base=members[0], current=members[0])
         for m in members:
-            if m in writes:  # ``y.mul_(2)`` returns ``y``: reading it reads what it wrote
-                m = writes[m][1]
-            st.paths.setdefault(m, _path(m, st.base, k))
-        for m in members:
+            # ``y.mul_(2)`` returns ``y``: reading it reads what it wrote
+            target = writes[m][1] if m in writes else m
+            if target not in st.paths:
+                st.paths[target] = _path(target, st.base, k)
+            st.paths[m] = st.paths[target]
             owner[m] = st
-            st.paths.setdefault(m, st.paths[writes[m][1]] if m in writes else [])
             st.reflects[m] = 0
         storages[k] = st
 

@@ -109,10 +109,15 @@ def tensor_inputs(node: fx.Node, include_tuples: bool = False) -> list[fx.Node]:
     return seen
 
 
-_INPLACE_OPERATORS = frozenset(
-    {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv}
-)
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+# ``x[i] = v`` and ``x += y`` as Dynamo records them, and the Tensor method each calls
+INPLACE_OPERATORS = {
+    operator.setitem: "__setitem__",
+    operator.iadd: "__iadd__",
+    operator.isub: "__isub__",
+    operator.imul: "__imul__",
+    operator.itruediv: "__itruediv__",
+}
+_INPLACE_DUNDERS = frozenset(INPLACE_OPERATORS.values())
 
 
 def mutated_args(n: fx.Node) -> list[fx.Node]:
@@ -126,7 +131,7 @@ def mutated_args(n: fx.Node) -> list[fx.Node]:
     if n.op != "call_function":
         return []
     t = n.target
-    if t in _INPLACE_OPERATORS:
+    if t in INPLACE_OPERATORS:
         return [first] if first is not None else []
     if isinstance(t, OpOverload):
         return [

@@ -330,3 +330,43 @@ def grad_err_vs(ref: torch.nn.Module, model: torch.nn.Module) -> float:
             pairs.append((p_ref.grad, g))
     floor = 1e-4 * max(r.abs().max().item() for r, _ in pairs)
     return max(((g - r).abs().max() / max(r.abs().max().item(), floor)).item() for r, g in pairs)
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding, one attention (a fused q/k/v projection, 4 heads of 16) and a GELU MLP
+    at width 64, a 128-word head: the small model the in-place write and token-mixing tests
+    vary between its parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.emb = nn.Embedding(128, 64)
+        self.qkv = nn.Linear(64, 192)
+        self.o = nn.Linear(64, 64)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 128)
+
+    def attention(self, x: torch.Tensor, **sdpa) -> torch.Tensor:
+        """The attention of ``x`` (SDPA's keywords: ``attn_mask=`` or ``is_causal=``), through
+        the output projection."""
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, **sdpa)
+        return self.o(a.transpose(1, 2).reshape(b, s, 64))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def against_one_process(ref, model, compiled, x, x_ref=None) -> tuple[float, float]:
+    """One call of ``compiled`` (``model`` through ``backend="tsp"``) and of ``ref`` in one
+    process on ``x`` (``ref`` on ``x_ref`` when the model writes its input), each backpropagated
+    along one fixed random direction: (the outputs' relative error, ``grad_err_vs``)."""
+    for p in [*ref.parameters(), *model.parameters()]:
+        p.grad = None
+    got, expected = compiled(x), ref(x if x_ref is None else x_ref)
+    probe = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    (got * probe).sum().backward()
+    (expected * probe).sum().backward()
+    return rel_err(got, expected), grad_err_vs(ref, model)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import grad_err_vs
+from tests.helpers import TinyLM, against_one_process
 from tspc.launch import spawn
 
 
@@ -59,30 +59,21 @@ MIXES = {
 }
 
 
-class TokenMixer(nn.Module):
+class TokenMixer(TinyLM):
     def __init__(self, mix: str) -> None:
         super().__init__()
         self.mix = mix
-        self.emb = nn.Embedding(128, 64)
         if mix == "positions":
             self.pos = nn.Embedding(64, 64)
         if mix == "causal conv":
             self.conv = nn.Parameter(torch.randn(64, 1, 3) * 0.3)
-        self.qkv = nn.Linear(64, 192)
-        self.o = nn.Linear(64, 64)
-        self.up = nn.Linear(64, 128)
-        self.down = nn.Linear(128, 64)
-        self.head = nn.Linear(64, 128)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        b, s = ids.shape
         x = self.emb(ids)
         x = x + MIXES[self.mix](self, x)
-        q, k, v = self.qkv(x).view(b, s, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, 64))
+        x = x + self.attention(x, is_causal=True)
         x = x + MIXES[self.mix](self, x)
-        x = x + self.down(F.gelu(self.up(x)))
+        x = x + self.mlp(x)
         return self.head(x)
 
 
@@ -100,18 +91,13 @@ def mixing_worker(rank: int, world: int, cases: dict) -> list[dict]:
         options = {"inner": "inductor"} if mix == "causal conv" else {}
         compiled = torch.compile(model, backend="tsp", options=options)
         for s in lengths:
-            for p in list(ref.parameters()) + list(model.parameters()):
-                p.grad = None
             ids = torch.randint(1, 128, (2, s), generator=torch.Generator().manual_seed(s))
-            got, expected = compiled(ids), ref(ids)
-            probe = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
-            (got * probe).sum().backward()
-            (expected * probe).sum().backward()
+            err, grad_err = against_one_process(ref, model, compiled, ids)
             rows.append(
                 {
                     "case": (mix, s),
-                    "err": ((got - expected).abs().max() / expected.abs().max()).item(),
-                    "grad_err": grad_err_vs(ref, model),
+                    "err": err,
+                    "grad_err": grad_err,
                     "level": tspc.last_report().level,
                 }
             )
