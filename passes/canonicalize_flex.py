@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import eliminate_dead_code, is_getitem, node_module_fqn, op_name, shape
+from .graph_utils import calls_named, eliminate_dead_code, is_getitem, shape
 
 # the longest length whose S x S mask is evaluated at compile time (bools: S*S bytes)
 MAX_EVAL_LEN = 8192
@@ -100,10 +100,7 @@ def canonicalize_flex(gm: fx.GraphModule) -> list[FlexCall]:
     """Every FlexAttention call: replaced by SDPA with its recognised mask, or the reason not."""
     g = gm.graph
     found = []
-    for node in list(g.nodes):
-        if op_name(node) != "flex_attention":
-            continue
-        module = node_module_fqn(node) or node.name
+    for node, module in calls_named(g, "flex_attention"):
 
         def skip(reason: str, module=module) -> None:
             found.append(FlexCall(module, False, f"FlexAttention: {reason}"))

@@ -37,10 +37,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .graph_utils import (
+    calls_named,
     eliminate_dead_code,
     is_getitem,
-    node_module_fqn,
-    op_name,
     shape,
     tensor_val,
 )
@@ -147,10 +146,7 @@ def canonicalize_mha(gm: fx.GraphModule) -> list[MhaCall]:
     projections, or the reason not."""
     g = gm.graph
     found = []
-    for node in list(g.nodes):
-        if op_name(node) != "multi_head_attention_forward":
-            continue
-        module = node_module_fqn(node) or node.name
+    for node, module in calls_named(g, "multi_head_attention_forward"):
         a = _bound(node)
         users = list(node.users)
         reason = "an unexpected call signature" if a is None else _why_not(a, users)

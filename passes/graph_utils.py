@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -376,6 +376,15 @@ def node_module_fqn(node: fx.Node) -> str:
     return fqn_from_source(path) if path.startswith("L[") else path
 
 
+def calls_named(graph: fx.Graph, name: str) -> Iterator[tuple[fx.Node, str]]:
+    """Each node of ``graph`` whose ``op_name`` is ``name``, in graph order, with the module it
+    was traced in (the node's own name where none is recorded). It walks a copy of the node
+    list, so a caller may rewrite the graph between items."""
+    for node in list(graph.nodes):
+        if op_name(node) == name:
+            yield node, node_module_fqn(node) or node.name
+
+
 def is_getitem(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
@@ -474,6 +483,25 @@ def reachable(
         nxt = n.users if forward else n.all_input_nodes
         stack.extend(x for x in nxt if within is None or x in within)
     return seen
+
+
+def first_reached(
+    start: fx.Node, through: Collection[str], is_target: Callable[[fx.Node], bool]
+) -> fx.Node | None:
+    """The earliest node in graph order that ``is_target`` accepts among those reached from
+    ``start`` through users whose ``op_name`` is in ``through`` (a walk ends at a target, and
+    is not continued past the best one found so far: what follows it comes later)."""
+    best, seen, stack = None, set(), [start]
+    while stack:
+        for u in stack.pop().users:
+            if u in seen or op_name(u) not in through:
+                continue
+            seen.add(u)
+            if is_target(u):
+                best = u if best is None or u < best else best
+            elif best is None or u < best:
+                stack.append(u)
+    return best
 
 
 def backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:

@@ -28,6 +28,7 @@ from .gqa import NoMatch, head_repeat_chain, projected_kv_heads
 from .graph_utils import (
     arg,
     backward_reach,
+    calls_named,
     is_getitem,
     node_module_fqn,
     op_name,
@@ -419,10 +420,7 @@ def match_attention(
     params = info.params
     matches: list[AttentionMatch] = []
     skips: list[Skip] = []
-    for node in gm.graph.nodes:
-        if op_name(node) != "sdpa":
-            continue
-        module = node_module_fqn(node) or node.name
+    for node, module in calls_named(gm.graph, "sdpa"):
         try:
             a = sdpa_args(node)
             module = _guess_module(node, a, params)

@@ -32,6 +32,7 @@ import torch.fx as fx
 from .analyse import GraphInfo
 from .graph_utils import (
     backward_reach,
+    first_reached,
     module_fqn_of_param,
     op_name,
     reachable,
@@ -183,20 +184,7 @@ _COMBINE = ("mul", "getitem", "index_select", "view", "reshape", "sum", "unsquee
 def _combined_output(mm2: fx.Node, n_tok: int, hidden: int) -> fx.Node:
     """The first node after the second matmul that is ``[N, h]``: the weighted sum over each
     token's choices (reached only through scaling, un-permuting, reshaping and summing)."""
-    stack, seen = [mm2], set()
-    best = None
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            if op_name(u) not in _COMBINE:
-                continue
-            if tuple(shape(u)) == (n_tok, hidden) and (best is None or u < best):
-                best = u
-            elif best is None or u < best:
-                stack.append(u)
+    best = first_reached(mm2, _COMBINE, lambda u: shape(u) == (n_tok, hidden))
     if best is None:
         raise _NoMatch("the experts' outputs are not summed back to one row per token")
     return best

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import module_fqn_of_param, op_name, shape, tensor_inputs, val
+from .graph_utils import first_reached, module_fqn_of_param, op_name, shape, tensor_inputs, val
 from .moe_match import MoeMatch
 
 BMM = ("bmm", "matmul")
@@ -189,17 +189,11 @@ def _check_chain(chain_nodes: list[fx.Node], mm1: fx.Node, mm2_in: fx.Node) -> N
 
 def _expert_sum(mm2: fx.Node, n_tok: int, hidden: int) -> tuple[fx.Node, list[fx.Node]]:
     """The first ``[N, h]`` node after the second matmul, checked to be its sum over experts."""
-    stack, seen, best = [mm2], set(), None
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u in seen or op_name(u) not in ("view", "reshape", "sum", "to", "contiguous"):
-                continue
-            seen.add(u)
-            if tuple(int(d) for d in val(u).shape) == (n_tok, hidden):
-                best = u if best is None or u < best else best
-            else:
-                stack.append(u)
+    best = first_reached(
+        mm2,
+        ("view", "reshape", "sum", "to", "contiguous"),
+        lambda u: tuple(int(d) for d in val(u).shape) == (n_tok, hidden),
+    )
     if best is None:
         raise DenseNoMatch("the experts' outputs are not summed back to one row per token")
     region = _between(best, [mm2])

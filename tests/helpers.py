@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -357,6 +358,19 @@ class TinyLM(torch.nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def compiled_copy(
+    make: Callable[..., Any], *args: Any, options: dict | None = None, **kwargs: Any
+) -> tuple[Any, Any, Any]:
+    """A fresh start for one model of a worker: Dynamo reset, the seed set to 0, ``ref =
+    make(*args, **kwargs)``, its copy ``model`` and ``model`` compiled with ``backend="tsp"``
+    (``options``): (ref, model, compiled), as ``against_one_process`` takes them."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    ref = make(*args, **kwargs)
+    model = copy.deepcopy(ref)
+    return ref, model, torch.compile(model, backend="tsp", options=options)
 
 
 def against_one_process(ref, model, compiled, x, x_ref=None) -> tuple[float, float]:

@@ -24,13 +24,13 @@ CONFIGS = [
 ]
 
 
-def forward_worker(rank: int, world: int) -> list[dict]:
+def forward_worker(rank: int, world: int, configs: list[int]) -> list[dict]:
     import tspc
     from samples.reference_model import build_reference_model
     from tspc.runtime.counters import COUNTER
 
     results = []
-    for batch, mult, overrides in CONFIGS:
+    for batch, mult, overrides in (CONFIGS[i] for i in configs):
         torch.compiler.reset()
         seq = 2 * world * mult
         kw = {"num_layers": 2, **overrides}
@@ -57,10 +57,24 @@ def forward_worker(rank: int, world: int) -> list[dict]:
     return results
 
 
+# D = 4 in the suite: the two configurations whose head groups split differently at D = 4 (one
+# K/V head for four ranks, eight heads on a wider model); every configuration in the extended
+# tier. D = 4 training (tests/test_training.py) runs in the suite too.
+D4_SUITE = [4, 5]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_outputs_equal_one_process(world):
-    for rank_results in spawn(forward_worker, world, timeout=600):
+@pytest.mark.parametrize(
+    "world,configs",
+    [
+        pytest.param(1, range(len(CONFIGS)), id="1"),
+        pytest.param(2, range(len(CONFIGS)), id="2"),
+        pytest.param(4, D4_SUITE, id="4"),
+        pytest.param(4, range(len(CONFIGS)), marks=pytest.mark.extended, id="4-all"),
+    ],
+)
+def test_outputs_equal_one_process(world, configs):
+    for rank_results in spawn(forward_worker, world, list(configs), timeout=600):
         for r in rank_results:
             assert r["level"] == "tsp", r
             assert not r["skipped"], r

@@ -36,8 +36,17 @@ def per_tag(counter, op):
     return {tag: n for (name, tag), n in counter.items() if name == op}
 
 
-@pytest.mark.parametrize("world,kv_heads", [(2, 2), (4, 4), (4, 2), (4, 1)])
-@pytest.mark.parametrize("last_rank", [False, True])
+def _counts_cases():
+    """(world, kv_heads, last_rank): rank 0 and the last rank at D = 2; at D = 4 each head
+    split (4, 2 and 1 K/V heads) once, alternating the rank, in the suite; the other rank of
+    each in the extended tier."""
+    for i, (world, kv_heads) in enumerate([(2, 2), (4, 4), (4, 2), (4, 1)]):
+        for last_rank in (False, True):
+            marks = [pytest.mark.extended] if world == 4 and last_rank != bool(i % 2) else []
+            yield pytest.param(world, kv_heads, last_rank, marks=marks)
+
+
+@pytest.mark.parametrize("world,kv_heads,last_rank", list(_counts_cases()))
 def test_forward_schedule_counts_per_layer(world, kv_heads, last_rank, fake_group):
     rank = world - 1 if last_rank else 0
     cg = compile_and_run(world, rank, fake_group, num_kv_heads=kv_heads)

@@ -11,14 +11,12 @@ bit for bit, with no write left; gloo: logits and gradients against one process.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import TinyLM, against_one_process, capture
+from tests.helpers import TinyLM, against_one_process, capture, compiled_copy
 from tspc.launch import spawn
 from tspc.passes.analyse import adopt_static_values
 from tspc.passes.functionalize_writes import UnsupportedWrite, functionalize_writes
@@ -201,11 +199,7 @@ def inplace_worker(rank: int, world: int) -> list[dict]:
 
     rows = []
     for variant, lengths in GLOO_CASES.items():
-        torch.compiler.reset()
-        torch.manual_seed(0)
-        ref = InPlaceMask(variant)
-        model = copy.deepcopy(ref)
-        compiled = torch.compile(model, backend="tsp")
+        ref, model, compiled = compiled_copy(InPlaceMask, variant)
         for s in lengths:
             err, grad_err = against_one_process(ref, model, compiled, _ids(s))
             rep = tspc.last_report()
@@ -219,11 +213,7 @@ def inplace_worker(rank: int, world: int) -> list[dict]:
                 }
             )
     for token in (0, -1):
-        torch.compiler.reset()
-        torch.manual_seed(0)
-        ref = WritesItsInput(token)
-        model = copy.deepcopy(ref)
-        compiled = torch.compile(model, backend="tsp")
+        ref, model, compiled = compiled_copy(WritesItsInput, token)
         for s in (16, 13):
             x = torch.randn(2, s, 64, generator=torch.Generator().manual_seed(s))
             x_ref = x.clone()

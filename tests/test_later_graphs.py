@@ -15,7 +15,6 @@ break, which no matcher can see across, always gathers.
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import compiled_copy
 from tspc.launch import spawn
 
 HIDDEN, HEADS, VOCAB, WINDOW = 64, 4, 128, 3
@@ -121,12 +121,8 @@ def _case(name: str, first_len: int, later, later_len: int, train_later: bool) -
     from tspc.report import REPORTS, last_graph_id
     from tspc.runtime.counters import COUNTER
 
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
+    ref, model, compiled = compiled_copy(Net, options={"inner": "aot_eager"})
     sizes = {n: p.numel() * p.element_size() for n, p in ref.named_parameters()}
-    compiled = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, first_len), generator=gen)
     compiled(ids).square().mean().backward()  # the first graph: shards, releases

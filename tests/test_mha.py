@@ -9,13 +9,11 @@ sequence-first layout). The gloo run checks logits and every gradient against on
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from tests.helpers import capture, grad_err_vs
+from tests.helpers import capture, compiled_copy, grad_err_vs
 from tspc.launch import spawn
 from tspc.passes.canonicalize_mha import canonicalize_mha
 
@@ -221,11 +219,9 @@ def mha_worker(rank: int, world: int) -> list[dict]:
 
     rows = []
     for name, (kw, lengths) in CASES.items():
-        torch.compiler.reset()
-        torch.manual_seed(0)
-        ref = Encoder(**kw) if kw is not None else DirectMha()
-        model = copy.deepcopy(ref)
-        compiled = torch.compile(model, backend="tsp")
+        ref, model, compiled = (
+            compiled_copy(Encoder, **kw) if kw is not None else compiled_copy(DirectMha)
+        )
         for s in lengths:
             ids = _ids(s, padding=bool(kw and kw.get("padding")))
             for p in list(ref.parameters()) + list(model.parameters()):

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from tests.test_moe import build as build_moe
-from tests.test_training_idioms import _same_third_step, _step, _third_step, adamw, batches
+from tests.test_training_idioms import (
+    _same_third_step,
+    _step,
+    _third_step,
+    adamw,
+    batches,
+    resume_third_step,
+    train_and_save,
+)
 from tspc.launch import spawn
 
 # E = 3: uneven on both meshes (torch.chunk: 2 + 1 experts at D = 2, 1 + 1 + 1 + 0 at D = 4)
@@ -25,9 +33,6 @@ def _logits(m, ids):
 
 
 def moe_save_worker(rank: int, world: int, root: str) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from tspc.tools.memory import state_bytes
 
     warnings.filterwarnings("ignore")
@@ -35,12 +40,7 @@ def moe_save_worker(rank: int, world: int, root: str) -> dict:
     data = batches(3, seq=16)
     model = build_moe("mixtral", **MOE)
     one_process = state_bytes(build_moe("mixtral", **MOE))["parameters"]
-    compiled = torch.compile(model, backend="tsp")
-    opt = adamw(compiled.parameters())
-    for ids in data[:2]:
-        _step(compiled, _logits, opt, ids)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/mixtral")
+    compiled, opt = train_and_save(model, _logits, f"{root}/mixtral")
     import tspc
 
     mlp = [e.status for e in tspc.last_report().entries if e.kind == "mlp"]
@@ -54,26 +54,11 @@ def moe_save_worker(rank: int, world: int, root: str) -> dict:
 def moe_load_worker(rank: int, world: int, args: tuple[str, str]) -> dict:
     """As ``test_training_idioms.load_worker``: ``when="before"`` loads into the plain model
     before the first call, ``"after"`` into the DTensors."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     warnings.filterwarnings("ignore")
     root, when = args
     torch.compiler.reset()
-    data = batches(3, seq=16)
     model = build_moe("mixtral", seed=1, **MOE)  # other weights: everything comes from the file
-    compiled = model
-    if world > 1:
-        compiled = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
-        if when == "after":
-            with torch.no_grad():
-                _logits(compiled, data[0][:1])
-    opt = adamw(model.parameters())
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=f"{root}/mixtral")
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _third_step(compiled, _logits, opt, data[2])
+    return resume_third_step(model, _logits, f"{root}/mixtral", world, when, "aot_eager")
 
 
 @pytest.mark.slow

@@ -168,9 +168,15 @@ def test_attention_no_head_group_cut_runs_is_skipped_with_the_reason(form, fake_
 
 
 @pytest.mark.slow
-def test_peer_forms_equal_one_process():
-    # one model holding a block of each form: two compiles (an even and an odd length)
-    runs = spawn(peer_worker, 2, [list(MATCHED)], [16, 13], timeout=900)
+@pytest.mark.parametrize(
+    "lengths",
+    # the suite: the odd length (internal padding, the harder path); the even one in the
+    # extended tier
+    [pytest.param([13], id="13"), pytest.param([16], id="16", marks=pytest.mark.extended)],
+)
+def test_peer_forms_equal_one_process(lengths):
+    # one model holding a block of each form: one compile per length
+    runs = spawn(peer_worker, 2, [list(MATCHED)], lengths, timeout=900)
     runs += spawn(peer_worker, 2, [list(FLEX)], [13], False, timeout=900)
     # skipped attentions keep the model's answer (they ran with other heads' values before)
     skipped = spawn(peer_worker, 2, [list(SKIPPED)], [13], timeout=900)

@@ -15,14 +15,12 @@ symbolic length) crashed where a plain ``torch.compile`` runs (fixed in ``tspc/i
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import TinyLM, against_one_process
+from tests.helpers import TinyLM, against_one_process, compiled_copy
 from tspc.launch import spawn
 
 
@@ -82,14 +80,10 @@ def mixing_worker(rank: int, world: int, cases: dict) -> list[dict]:
 
     rows = []
     for mix, lengths in cases.items():
-        torch.compiler.reset()
-        torch.manual_seed(0)
-        ref = TokenMixer(mix)
-        model = copy.deepcopy(ref)
         # the suite's inner compiler is aot_eager (conftest); the conv runs under Inductor,
         # as users get it by default
         options = {"inner": "inductor"} if mix == "causal conv" else {}
-        compiled = torch.compile(model, backend="tsp", options=options)
+        ref, model, compiled = compiled_copy(TokenMixer, mix, options=options)
         for s in lengths:
             ids = torch.randint(1, 128, (2, s), generator=torch.Generator().manual_seed(s))
             err, grad_err = against_one_process(ref, model, compiled, ids)
