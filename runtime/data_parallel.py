@@ -30,8 +30,9 @@ from .group import process_group
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
-# A flag on the tensor marks a hooked parameter: a weak reference to a DTensor parameter would
-# make ``model.to()`` fail (``torch.utils.swap_tensors`` refuses weakly referenced tensors).
+# An attribute on the tensor marks a hooked parameter and holds its averager: a weak reference
+# to a DTensor parameter would make ``model.to()`` fail (``torch.utils.swap_tensors`` refuses
+# weakly referenced tensors).
 _FLAG = "_tspc_dp_averaged"
 
 
@@ -109,6 +110,15 @@ def average_grads_over(params, group_name: str, size: int) -> int:
         if not isinstance(p, torch.Tensor) or not p.requires_grad or getattr(p, _FLAG, False):
             continue
         p.register_post_accumulate_grad_hook(averager.add)
-        setattr(p, _FLAG, True)
+        setattr(p, _FLAG, averager)
         installed += 1
     return installed
+
+
+def grad_written(p: torch.Tensor) -> None:
+    """``p.grad`` was written outside autograd's accumulation, which alone fires the hook (a
+    gradient moved onto ``p`` during the backward): average it as the hook would. Averaging
+    again what the hook averaged already is exact: that part is equal on every dp rank."""
+    averager = getattr(p, _FLAG, None)
+    if isinstance(averager, GradAverager):
+        averager.add(p)

@@ -39,6 +39,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .autograd_glue import sync_replicated_grad
 from .compat import is_strided_shard as _is_strided
 from .compat import no_fake_mode, optimized_module_class, outermost_module_call, strided_shard
+from .data_parallel import grad_written
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .errors import TSPConfigError, TSPHeldWholeWarning
 from .group import process_group
@@ -390,6 +391,7 @@ def _route_grad(handle: nn.Parameter, tp: TSPParam) -> None:
                 dp.grad = DTensor.from_local(g, tp_.mesh, [Replicate()], run_check=False)
             else:
                 dp.grad.to_local().add_(g)
+        grad_written(dp)  # with data parallelism: averaged over dp like autograd's gradients
 
     handle.register_post_accumulate_grad_hook(move)
 

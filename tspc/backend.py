@@ -8,11 +8,10 @@ the inner compiler (``tspc/inner.py``).
 A graph traced with symbolic sizes (Dynamo marks a dimension dynamic once it has seen two
 values) is compiled per concrete shape at its first call with that shape: the passes bake the
 local sequence length into shapes, and every rank sees the same shapes in the same order, so all
-ranks compile the same forward graphs (the backward graphs differ between ranks: the weight
-broadcast's source alone keeps the reduced gradient; what every rank shares is the order of the
-collectives). With ``dynamic_seq`` (the default) the first such length that is
-a multiple of 2D is compiled once for every length of that kind instead
-(``tspc/length_family.py``), and later lengths run that program.
+ranks compile the same forward graphs (the backward graphs differ: the weight broadcast's source
+alone keeps the reduced gradient; every rank shares the order of the collectives). With
+``dynamic_seq`` (the default) the first such length that is a multiple of 2D is compiled once
+for every length of that kind instead (``tspc/length_family.py``).
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ from .length_family import (
     sequence_input,
 )
 from .options import TSPOptions
+from .outside_graphs import first_call
 from .pipeline import LEVELS, SPECIALIZE, GraphContext, PipelineResult, run_passes, run_pipeline
 from .report import CompileReport, last_graph_id, remember
 
@@ -84,10 +84,8 @@ class CompiledGraph:
 
 
 COMPILED: list[CompiledGraph] = []
-"""The latest graphs compiled in this process (at most ``KEEP_COMPILED``), oldest first, for
-dumps and tests. Each holds its pass-by-pass graphs: kept few, so that a long run that
-recompiles does not keep every graph it ever made."""
-
+"""The latest graphs compiled in this process, oldest first, for dumps and tests: at most
+``KEEP_COMPILED``, so that a long run that recompiles does not keep every graph it made."""
 KEEP_COMPILED = 16
 
 
@@ -304,19 +302,14 @@ def _releasable_parameters(
 
 
 class _CompiledTSPGraph:
-    """The compiled graph, as Dynamo calls it, with what the runtime adds around it.
-
-    * Every call appends this rank's shards of the parameters actually passed
-      (``passes/shard_inputs.py``): views of the local tensor of each weight's DTensor
-      parameter, so gradients land on the DTensors. Dynamo may run one compiled graph for
-      several modules.
-    * The first call cuts the DTensors' local tensors from the full weights; after it, the
-      modules hold DTensor parameters and the full weights are released
-      (``runtime/tsp_params.py``).
-    * With data parallelism, the parameters get their gradient-averaging hook.
-    * Before a call, every rank checks that the ranks agree (``runtime/rank_check.py``): module
-      states at their first call, input shapes at the first call and when they change.
-    """
+    """The compiled graph, as Dynamo calls it, with what the runtime adds around it: each call
+    appends this rank's shards of the parameters passed (``passes/shard_inputs.py``: views of
+    the local tensor of each weight's DTensor, so gradients land on the DTensors; Dynamo may
+    run one graph for several modules); the first call cuts the DTensors from the full
+    weights, then the modules hold them and the full weights are released
+    (``runtime/tsp_params.py``); with data parallelism the parameters get their averaging
+    hook; before a call the ranks check that they agree (``runtime/rank_check.py``: module
+    states at the first call, input shapes at the first call and when they change)."""
 
     def __init__(
         self,
@@ -352,14 +345,19 @@ class _CompiledTSPGraph:
         self.layouts = layouts
         self.rank_check = rank_check
         self.group = group
-        # Dynamo calls this with the graph's inputs as positional arguments (the function
-        # aot_autograd returns takes them that way too, whatever its copied attributes say).
+        self.first = True
 
     def __call__(self, *args):
+        # Dynamo calls this with the graph's inputs as positional arguments (so does the
+        # function aot_autograd returns, whatever its copied attributes say)
         flat = list(args)
         g = self.group
         if self.rank_check is not None:  # before any transfer, and before weights are cut
             self.rank_check(flat)
+        if self.first:  # what the graph receives, and what it does not (outside_graphs.py)
+            self.first = False
+            received = (*self.params, *(i for i, _ in (*self.shard_inputs, *self.gathers)))
+            first_call(flat, received, g)
         with tspc_internal():  # the inputs include the stand-ins of sharded weights
             views = {}
             for i, specs in self.shard_inputs:
@@ -590,8 +588,7 @@ def _tsp_backend(gm, example_inputs, options):
 
 
 def _drop_compiled(graph_id: int) -> None:
-    """Forget what a compile that raised kept for dumps and tests (its report goes with the
-    fallback's, ``tspc/fallback.py``)."""
+    """Forget what a compile that raised kept (the fallback reports it, tspc/fallback.py)."""
     COMPILED[:] = [c for c in COMPILED if c.report.graph_id != graph_id]
 
 

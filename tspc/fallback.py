@@ -42,6 +42,7 @@ from .errors import REPORT_HINT, FallbackWarning, ReleasedWeightsNeededError, TS
 from .inner import compile_plain
 from .later_graphs import gather_inputs, plan_gathers, released_inputs
 from .options import TSPOptions
+from .outside_graphs import first_call
 from .report import CompileReport, forget_report, remember
 
 log = logging.getLogger("tspc")
@@ -74,9 +75,13 @@ class _PlainGraph:
         self.params = params
         self.group = group
         self.gathers = gathers  # released weights read whole: gathered at every call
+        self.first = True
 
     def __call__(self, *args):
         g = self.group
+        if self.first:  # what the graph receives, and what it does not (outside_graphs.py)
+            self.first = False
+            first_call(list(args), self.params, g)
         if g.dp_size > 1:
             average_grads_over([args[i] for i in self.params], g.dp_name, g.dp_size)
         if self.gathers:
