@@ -10,6 +10,22 @@ import torch.fx as fx
 from .errors import TSPConfigError
 
 
+def over_own_parameters(example_inputs: list[Any]) -> bool:
+    """A graph reading DTensors on the meshes tspc made for its parameters: an optimizer step,
+    gradient clipping or a weight average compiled after the model's first call (parameters,
+    their gradients, optimizer state) — not a model sharded before tspc saw it."""
+    from torch.distributed.tensor import DTensor
+
+    from .dp_mesh import dp_sharding_of_mesh
+    from .tsp_params import is_tsp_mesh
+
+    return any(
+        isinstance(x, DTensor)
+        and (is_tsp_mesh(x.device_mesh) or dp_sharding_of_mesh(x.device_mesh) is not None)
+        for x in example_inputs
+    )
+
+
 def refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:
     """A model already sharded by FSDP or DTensor-based TP: tspc must see the plain model."""
     from torch.distributed.tensor import DTensor

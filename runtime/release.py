@@ -99,7 +99,7 @@ def owner_modules_of(params: list[torch.Tensor]) -> dict[int, list[nn.Module]]:
     owners: dict[int, list[nn.Module]] = {id(p): [] for p in params}
     if not params:
         return owners
-    _add_owners(_modules_on_stack(), wanted, owners)
+    _add_owners(modules_on_stack(), wanted, owners)
     missing = [p for p in params if not owners[id(p)]]
     if missing:
         _add_owners(_modules_referring_to(missing), wanted, owners)
@@ -118,7 +118,9 @@ def _add_owners(roots: Iterable[nn.Module], wanted: set[int], owners) -> None:
                     owners[id(v)].append(m)
 
 
-def _modules_on_stack() -> list[nn.Module]:
+def modules_on_stack() -> list[nn.Module]:
+    """The modules that are locals of the frames on the Python stack (the compiled module, or
+    a model a compiled function was handed), outermost last."""
     found: dict[int, nn.Module] = {}
     frame = sys._getframe(1)
     while frame is not None:
@@ -191,3 +193,17 @@ def release_original(p: nn.Parameter, whole_too: bool = False) -> int | None:
     if entry is not None:
         entry.released = True
     return freed
+
+
+def stack_root(owners: list[nn.Module]) -> nn.Module | None:
+    """With no module call on the stack (the model called inside a compiled function, traced
+    with it), the module that function was handed: the smallest module in a frame's locals
+    holding every one of ``owners``. Its hooks then make Dynamo run its call eagerly and
+    compile its forward as a frame of its own, with the stand-ins in place."""
+    want = {id(m) for m in owners}
+    best: tuple[int, nn.Module] | None = None
+    for m in modules_on_stack():
+        inside = {id(x) for x in m.modules()}
+        if want <= inside and (best is None or len(inside) < best[0]):
+            best = (len(inside), m)
+    return best[1] if best else None

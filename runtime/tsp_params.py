@@ -98,6 +98,10 @@ def _placement_object(placement: tuple):
 _MESHES: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
 
 
+def is_tsp_mesh(mesh: DeviceMesh) -> bool:  # one ``mesh_of`` made: of tspc's parameters
+    return any(m is mesh for m in _MESHES.values())
+
+
 def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
     """The 1-D DeviceMesh of the TSP group on ``device``'s type."""
     pg = process_group(group_name)
@@ -326,7 +330,7 @@ def graph_input(tp: TSPParam) -> torch.Tensor:
 def adopt(tps: Iterable[TSPParam]) -> None:
     """Make the modules holding the parameters of ``tps`` hold their DTensors instead (after
     a graph's first call), and release the full storage of the sharded ones."""
-    from .release import owner_modules_of, release_original
+    from .release import owner_modules_of, release_original, stack_root
 
     todo = [tp for tp in tps if not tp.owners and tp.original is not None]
     todo = list({id(tp): tp for tp in todo}.values())
@@ -334,7 +338,9 @@ def adopt(tps: Iterable[TSPParam]) -> None:
         return
     originals = [tp.original for tp in todo]
     owners = owner_modules_of(originals)
-    entry_module = _entry_module()
+    entry_module = _entry_module()  # (an OptimizedModule: no truth value, it has __len__)
+    if entry_module is None:
+        entry_module = stack_root([m for ms in owners.values() for m in ms])
     shared = []
     for tp, p in zip(todo, originals):
         for m in owners[id(p)]:
@@ -462,10 +468,8 @@ _UNWATCHED: list[TSPParam] = []
 _WATCHED: weakref.WeakKeyDictionary[nn.Module, list[TSPParam]] = weakref.WeakKeyDictionary()
 
 
-def _entry_module() -> nn.Module | None:
-    """The outermost module whose ``__call__`` runs eagerly on the current stack: the
-    ``OptimizedModule``, or the model whose forward was compiled."""
-    return outermost_module_call()
+def _entry_module() -> nn.Module | None:  # the OptimizedModule, or the compiled model
+    return outermost_module_call()  # (the outermost module called eagerly on the stack)
 
 
 def _watch(module: nn.Module, tps: list[TSPParam]) -> None:

@@ -37,7 +37,7 @@ from tspc.runtime.dp_shard import whole_over_dp
 from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.optimizers import watch as watch_optimizers
-from tspc.runtime.presharded import refuse_presharded
+from tspc.runtime.presharded import over_own_parameters, refuse_presharded
 from tspc.runtime.rank_check import RankCheck, communicates
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
@@ -55,7 +55,7 @@ from tspc.runtime.tsp_params import (
 from . import compiles
 from .dump import write_dump
 from .errors import ReleasedWeightsNeededError, TSPCompileError  # noqa: F401 - re-exported
-from .fallback import fall_back, warn_level_failed
+from .fallback import compile_over_own_parameters, fall_back, warn_level_failed
 from .inner import AotGraphs, compile_inner
 from .later_graphs import gather_inputs, level_cause, plan_gathers
 from .length_family import (
@@ -340,24 +340,21 @@ class _CompiledTSPGraph:
         # be adjacent: a fused gate_up weight's two slices with its bias's between them)
         self.shard_order = [(s.param_index, s.spec) for s in shard_inputs]
         # every rank's slices of the weight at each position: Dynamo may run this graph for
-        # another module (a block compiled once for every layer), whose weights are declared
-        # on their first call here
+        # another module (one block compiled for every layer), its weights declared here
         self.layouts = layouts
         self.rank_check = rank_check
         self.group = group
-        self.first = True
+        # every weight input, for the first call's record (None after it: outside_graphs.py)
+        self.received: list | None = [*params, *by_param, *(i for i, _ in self.gathers)]
 
-    def __call__(self, *args):
-        # Dynamo calls this with the graph's inputs as positional arguments (so does the
-        # function aot_autograd returns, whatever its copied attributes say)
+    def __call__(self, *args):  # as Dynamo calls it: the graph's inputs, positional
         flat = list(args)
         g = self.group
         if self.rank_check is not None:  # before any transfer, and before weights are cut
             self.rank_check(flat)
-        if self.first:  # what the graph receives, and what it does not (outside_graphs.py)
-            self.first = False
-            received = (*self.params, *(i for i, _ in (*self.shard_inputs, *self.gathers)))
-            first_call(flat, received, g)
+        if self.received is not None:  # the first call: what it receives, and what it does not
+            first_call(flat, self.received, g)
+            self.received = None
         with tspc_internal():  # the inputs include the stand-ins of sharded weights
             views = {}
             for i, specs in self.shard_inputs:
@@ -559,10 +556,12 @@ def tsp_backend(
 
 def _tsp_backend(gm, example_inputs, options):
     opts = TSPOptions.from_dict(options)
-    refuse_presharded(list(example_inputs), gm)
     group = resolve_group(opts.group, opts.mesh_dim, opts.data_parallel)
     dynamo_id = compiles.dynamo_compile_id()
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
+    if over_own_parameters(example_inputs):  # an optimizer step over tspc's DTensors
+        return compile_over_own_parameters(gm, example_inputs, group, opts, next(_GRAPH_IDS), why)
+    refuse_presharded(list(example_inputs), gm)
     graph_id = None
     try:
         info = analyse(gm, example_inputs)

@@ -165,3 +165,26 @@ def fall_back(
         compiles.record(event)
     params = [i for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)]
     return _PlainGraph(fn, params, group, gathers)
+
+
+def compile_over_own_parameters(
+    dynamo_gm: fx.GraphModule,
+    example_inputs: list[Any],
+    group: TSPGroup,
+    opts: TSPOptions,
+    graph_id: int,
+    why: tuple[str, str],
+) -> Callable:
+    """A graph over the DTensor parameters tspc made, with their gradients and optimizer state
+    (``torch.compile`` of a training step whose optimizer step Dynamo traces as a graph of its
+    own): nothing in it to shard — DTensor's own ops run it on each rank's shards — so the
+    inner compiler takes it as it is, as ``torch.compile(backend=inner)`` would. No report:
+    ``tspc.last_report()`` stays the model's."""
+    log.info("tspc: graph %d reads tspc's DTensor parameters: a plain compile", graph_id)
+    t0 = time.perf_counter()
+    fn = compile_plain(dynamo_gm, example_inputs, opts.inner)
+    event = compiles.CompileEvent(graph_id, why[0], why[1], compiles.dynamo_compile_id())
+    event.seconds = {"plain compile": time.perf_counter() - t0}
+    compiles.record(event)
+    params = [i for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)]
+    return _PlainGraph(fn, params, group, [])
