@@ -11,18 +11,17 @@ from .errors import TSPConfigError
 
 
 def over_own_parameters(example_inputs: list[Any]) -> bool:
-    """A graph reading DTensors on the meshes tspc made for its parameters: an optimizer step,
+    """A graph reading DTensors on the mesh of parameters tspc already made: an optimizer step,
     gradient clipping or a weight average compiled after the model's first call (parameters,
-    their gradients, optimizer state) — not a model sharded before tspc saw it."""
+    their gradients, optimizer state) — not a model sharded before tspc saw it (refused at
+    its first compile, before tspc made any DTensor)."""
     from torch.distributed.tensor import DTensor
 
-    from .dp_mesh import dp_sharding_of_mesh
-    from .tsp_params import is_tsp_mesh
+    from .tsp_params import REGISTRY
 
+    meshes = REGISTRY.meshes()
     return any(
-        isinstance(x, DTensor)
-        and (is_tsp_mesh(x.device_mesh) or dp_sharding_of_mesh(x.device_mesh) is not None)
-        for x in example_inputs
+        isinstance(x, DTensor) and any(x.device_mesh is m for m in meshes) for x in example_inputs
     )
 
 

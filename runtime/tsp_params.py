@@ -98,10 +98,6 @@ def _placement_object(placement: tuple):
 _MESHES: weakref.WeakValueDictionary[tuple, DeviceMesh] = weakref.WeakValueDictionary()
 
 
-def is_tsp_mesh(mesh: DeviceMesh) -> bool:  # one ``mesh_of`` made: of tspc's parameters
-    return any(m is mesh for m in _MESHES.values())
-
-
 def mesh_of(group_name: str, device: torch.device) -> DeviceMesh:
     """The 1-D DeviceMesh of the TSP group on ``device``'s type."""
     pg = process_group(group_name)
@@ -150,9 +146,8 @@ class _Registry:
     their TSPParam: ``model.to()`` converts a DTensor parameter in place with
     ``torch.utils.swap_tensors``, which refuses a tensor that has a weak reference, and a
     TSPParam holds its stand-in, so a dictionary weakly keyed on the stand-in would keep both
-    alive for good (with the model's replicated weights, whose stand-in is the original). The
-    TSPParams live as long as the module that runs them (``_WATCHED``), or an original
-    parameter an optimizer still holds."""
+    alive for good (with replicated weights, whose stand-in is the original). The TSPParams
+    live as long as the module that runs them (``_WATCHED``) or an original an optimizer holds."""
 
     def __init__(self) -> None:
         self._weak: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -180,6 +175,11 @@ class _Registry:
 
     def __contains__(self, t: torch.Tensor) -> bool:
         return self.get(t) is not None
+
+    def meshes(self) -> list[DeviceMesh]:  # of the live DTensor parameters tspc made
+        return [
+            tp.dparam.device_mesh for r in list(self._by_id.values()) if (tp := r()) is not None
+        ]
 
 
 REGISTRY = _Registry()
