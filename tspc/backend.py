@@ -560,7 +560,7 @@ def _tsp_backend(gm, example_inputs, options):
     dynamo_id = compiles.dynamo_compile_id()
     why = (compiles.NEW_GRAPH, "a graph Dynamo traced with static shapes")
     if over_own_parameters(example_inputs):  # an optimizer step over tspc's DTensors
-        return compile_over_own_parameters(gm, example_inputs, group, opts, next(_GRAPH_IDS), why)
+        return compile_over_own_parameters(gm, example_inputs, group, opts.inner, next(_GRAPH_IDS))
     refuse_presharded(list(example_inputs), gm)
     graph_id = None
     try:

@@ -167,14 +167,7 @@ def fall_back(
     return _PlainGraph(fn, params, group, gathers)
 
 
-def compile_over_own_parameters(
-    dynamo_gm: fx.GraphModule,
-    example_inputs: list[Any],
-    group: TSPGroup,
-    opts: TSPOptions,
-    graph_id: int,
-    why: tuple[str, str],
-) -> Callable:
+def compile_over_own_parameters(gm: fx.GraphModule, inputs: list, group, inner, graph_id: int):
     """A graph over the DTensor parameters tspc made, with their gradients and optimizer state
     (``torch.compile`` of a training step whose optimizer step Dynamo traces as a graph of its
     own): nothing in it to shard — DTensor's own ops run it on each rank's shards — so the
@@ -182,9 +175,10 @@ def compile_over_own_parameters(
     ``tspc.last_report()`` stays the model's."""
     log.info("tspc: graph %d reads tspc's DTensor parameters: a plain compile", graph_id)
     t0 = time.perf_counter()
-    fn = compile_plain(dynamo_gm, example_inputs, opts.inner)
-    event = compiles.CompileEvent(graph_id, why[0], why[1], compiles.dynamo_compile_id())
+    fn = compile_plain(gm, inputs, inner)
+    why = "a graph over tspc's DTensor parameters (an optimizer step), compiled plainly"
+    event = compiles.CompileEvent(graph_id, compiles.NEW_GRAPH, why, compiles.dynamo_compile_id())
     event.seconds = {"plain compile": time.perf_counter() - t0}
     compiles.record(event)
-    params = [i for i, x in enumerate(example_inputs) if isinstance(x, nn.Parameter)]
+    params = [i for i, x in enumerate(inputs) if isinstance(x, nn.Parameter)]
     return _PlainGraph(fn, params, group, [])
