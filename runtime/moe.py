@@ -79,7 +79,8 @@ class _Plan:
         recv = per_expert.clone()
         if world > 1:
             dist.all_to_all_single(recv, per_expert, group=group)
-            _count(tag, recv.numel() // world * 8, world)
+            # c int64 counts from each of the D - 1 others (D = 2 hid a count of one peer's)
+            _count(tag, (world - 1) * c * 8, world)
         self.recv_per_expert = recv.view(world, c)  # [source rank, my local expert]
         self.recv_counts = self.recv_per_expert.sum(1).tolist()
         # the local expert of every received row: rows come by source rank, then by expert
