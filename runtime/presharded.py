@@ -14,15 +14,21 @@ def over_own_parameters(example_inputs: list[Any]) -> bool:
     """A graph reading DTensors on the mesh of parameters tspc already made: an optimizer step,
     gradient clipping or a weight average compiled after the model's first call (parameters,
     their gradients, optimizer state) — not a model sharded before tspc saw it (refused at
-    its first compile, before tspc made any DTensor)."""
+    its first compile, before tspc made any DTensor).
+
+    A DTensor parameter tspc did not make marks the graph as a user-sharded model even when
+    its mesh is one tspc uses: torch hands out the same world-mesh object again, and an
+    earlier model of the same process may still be alive."""
+    import torch.nn as nn
     from torch.distributed.tensor import DTensor
 
-    from .tsp_params import REGISTRY
+    from .tsp_params import REGISTRY, is_tsp_dtensor
 
+    dtensors = [x for x in example_inputs if isinstance(x, DTensor)]
+    if any(isinstance(x, nn.Parameter) and not is_tsp_dtensor(x) for x in dtensors):
+        return False
     meshes = REGISTRY.meshes()
-    return any(
-        isinstance(x, DTensor) and any(x.device_mesh is m for m in meshes) for x in example_inputs
-    )
+    return any(is_tsp_dtensor(x) or any(x.device_mesh is m for m in meshes) for x in dtensors)
 
 
 def refuse_presharded(example_inputs: list[Any], gm: fx.GraphModule) -> None:

@@ -49,12 +49,18 @@ def test_dtensor_sharded_model_is_refused(fake_group):
     )
 
     fake_group(0, 2)
+    # A model tspc sharded earlier in this process, still alive: its parameters' mesh can be
+    # the very mesh object torch hands out below, which must not pass the user's DTensors as
+    # tspc's own (CI failed so when an earlier test's model outlived it).
+    earlier = build_reference_model(num_layers=1)
+    torch.compile(earlier, backend="tsp")(torch.randint(0, 256, (1, 16)))
     mesh = init_device_mesh("cpu", (2,))
     model = build_reference_model(num_layers=1)
     plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
     parallelize_module(model.layers[0].mlp, mesh, {**plan, "down_proj": RowwiseParallel()})
     with pytest.raises(Exception, match=r"already sharded.*compile the unwrapped model"):
         torch.compile(model, backend="tsp")(torch.randint(0, 256, (1, 16)))
+    del earlier
 
 
 def test_two_d_mesh_needs_mesh_dim(fake_group):
