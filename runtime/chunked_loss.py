@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .precision import accumulation_dtype
 from .seq_reductions import reduce_local_loss
 
 
@@ -38,7 +39,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         n = x.shape[0]
         want = ctx.needs_input_grad[:3]
         grads = any(want)
-        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        acc = accumulation_dtype(weight.dtype)
         total = None
         dxs = []
         dw = db = None

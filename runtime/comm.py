@@ -60,6 +60,7 @@ from .compat import (
 )
 from .counters import count_collective
 from .group import process_group
+from .precision import accumulation_dtype
 from .zigzag import zigzag_stack_parts, zigzag_unshard
 
 
@@ -148,13 +149,13 @@ def _wait(pending: torch.Tensor) -> torch.Tensor:
 def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy to reduce into: fp32 for 16-bit floats, whose sums over ranks would
     otherwise round at every step (gradients of bf16 training)."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return x.to(torch.float32, memory_format=torch.contiguous_format)
+    if x.dtype != accumulation_dtype(x.dtype):
+        return x.to(accumulation_dtype(x.dtype), memory_format=torch.contiguous_format)
     return x.contiguous().clone()
 
 
 def _wire_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    return accumulation_dtype(x.dtype)
 
 
 def _define_wait(name: str, schema: str, body) -> None:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .counters import count_collective
 from .group import process_group
+from .precision import upcast
 
 
 def owner_of_next(counts: list[int]) -> int:
@@ -127,12 +128,12 @@ def partial_attention(
     (query head i reads KV head i // (H / H_kv)); ``keep`` [B, T, L] bool or None (all keys).
 
     Returns the output normalised over these keys [B, H, T, d] and the log-sum-exp of the
-    scores [B, H, T], both fp32; a row with no key here has log-sum-exp -inf and output 0, so it
+    scores [B, H, T], both in the accumulation dtype (fp32 for 16-bit floats); a row with no key here has log-sum-exp -inf and output 0, so it
     weighs nothing in ``merge_partials``."""
     B, H, T, d = q.shape
     hkv, L = k.shape[1], k.shape[2]
-    qf = q.float().reshape(B, hkv, H // hkv, T, d)
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [B, H_kv, 1, L, d]
+    qf = upcast(q).reshape(B, hkv, H // hkv, T, d)
+    kf, vf = upcast(k).unsqueeze(2), upcast(v).unsqueeze(2)  # [B, H_kv, 1, L, d]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, H_kv, g, T, L]
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None], float("-inf"))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .comm import ring_hop
 from .packing import pack, unpack
+from .precision import upcast
 
 _BUILTIN_CHAINS: dict[str, Callable[..., torch.Tensor]] = {}
 # Chains the rewrites extract from a model's graph, held by the compiled graphs that call them
@@ -293,7 +294,7 @@ def _ring_backward(x2, g2, shards, saved, spec, world, group, tag):
             def accumulate(i: int, g: torch.Tensor, received=received) -> torch.Tensor:
                 if world == 1:
                     return g
-                return g.float() if received is None else g.float() + received[i]
+                return upcast(g) if received is None else upcast(g) + received[i]
 
             grads, dx = _weight_grads(
                 h, g2, x2, dps, ws, orient, has_bias, n_shards, accumulate, dx

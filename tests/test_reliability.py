@@ -264,6 +264,8 @@ def dtype_worker(rank: int, world: int) -> dict:
         (torch.bfloat16, "no_grad"),
         (torch.float16, "inference_mode"),
         (torch.bfloat16, "grad"),
+        # float64 (gradient checks run models in double): no step may round it to fp32
+        (torch.float64, "grad"),
     ]
     for dtype, mode in combos:
         torch.compiler.reset()
@@ -278,13 +280,15 @@ def dtype_worker(rank: int, world: int) -> dict:
         with ctx():
             got = torch.compile(model, backend="tsp")(ids)
             want = ref(ids)
-        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        acc = torch.promote_types(dtype, torch.float32)
+        got_, want_ = got.to(acc), want.to(acc)
+        err = ((got_ - want_).abs().max() / want_.abs().max()).item()
         out[f"{dtype}-{mode}"] = err
         if mode == "grad":  # and the gradients, in the model's dtype
-            got.float().pow(2).mean().backward()
-            want.float().pow(2).mean().backward()
+            got_.pow(2).mean().backward()
+            want_.pow(2).mean().backward()
             out[f"{dtype}-grads"] = grad_error(ref, model)[0]
-            if dtype != torch.float32:
+            if dtype in (torch.bfloat16, torch.float16):
                 # Rounding differs from one process's (tspc sums partial gradients over ranks
                 # in fp32): judged by the distance of each to fp32 gradients.
                 exact = build_reference_model(seed=0, num_layers=2)
@@ -296,13 +300,19 @@ def dtype_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_dtypes_and_grad_modes():
-    tol = {"torch.float32": 1e-5, "torch.bfloat16": 3e-2, "torch.float16": 5e-3}
+    tol = {
+        "torch.float32": 1e-5,
+        "torch.float64": 1e-12,
+        "torch.bfloat16": 3e-2,
+        "torch.float16": 5e-3,
+    }
     for r in spawn(dtype_worker, 2, timeout=900):
         # tspc's bf16 gradients are as close to fp32's as one process's bf16 gradients are
         assert (
             r["torch.bfloat16-grads-vs-fp32"] < 1.5 * r["torch.bfloat16-grads-one-process-vs-fp32"]
         ), r
         assert r["torch.float32-grads"] < 1e-5, r
+        assert r["torch.float64-grads"] < 1e-12, r
         for key, err in r.items():
             if "grads" in key:
                 continue

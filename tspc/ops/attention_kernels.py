@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from tspc.runtime.precision import upcast
+
 aten = torch.ops.aten
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "math")
@@ -138,14 +140,14 @@ def _backward_same_heads(kernel, go, q, k, v, out, lse, causal, bias, scale):
 
 
 def _math_scores(q, k, causal, bias, scale):
-    """fp32 scores [B, Hkv, g, M, L]: q [B, Hq, M, d] grouped over k [B, Hkv, L, d] by
+    """Scores in the accumulation dtype (fp32 for 16-bit floats) [B, Hkv, g, M, L]: q [B, Hq, M, d] grouped over k [B, Hkv, L, d] by
     broadcasting (no K copy)."""
     b, hq, m, d = q.shape
     hk = k.shape[1]
-    qg = q.float().reshape(b, hk, hq // hk, m, d)
-    s = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)) * scale
+    qg = upcast(q).reshape(b, hk, hq // hk, m, d)
+    s = torch.matmul(qg, upcast(k)[:, :, None].transpose(-1, -2)) * scale
     if bias is not None:
-        s = s + bias.float()[:, :, None]
+        s = s + upcast(bias)[:, :, None]
     if causal:
         keep = torch.ones(m, k.shape[2], dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, -math.inf)
@@ -156,7 +158,7 @@ def _math_forward(q, k, v, causal, bias, scale):
     s = _math_scores(q, k, causal, bias, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
-    o = torch.matmul(p, v.float()[:, :, None])
+    o = torch.matmul(p, upcast(v)[:, :, None])
     return o.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
@@ -165,13 +167,13 @@ def _math_backward(go, q, k, v, out, lse, causal, bias, scale):
     hk = k.shape[1]
     s = _math_scores(q, k, causal, bias, scale)
     p = torch.exp(s - lse.reshape(b, hk, hq // hk, m)[..., None])
-    gog = go.float().reshape(b, hk, hq // hk, m, -1)
+    gog = upcast(go).reshape(b, hk, hq // hk, m, -1)
     dv = torch.matmul(p.transpose(-1, -2), gog).sum(2)
-    dp = torch.matmul(gog, v.float()[:, :, None].transpose(-1, -2))
-    delta = (gog * out.float().reshape(gog.shape)).sum(-1, keepdim=True)
+    dp = torch.matmul(gog, upcast(v)[:, :, None].transpose(-1, -2))
+    delta = (gog * upcast(out).reshape(gog.shape)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
-    dq = torch.matmul(ds, k.float()[:, :, None]).flatten(1, 2)
-    qg = q.float().reshape(b, hk, hq // hk, m, d)
+    dq = torch.matmul(ds, upcast(k)[:, :, None]).flatten(1, 2)
+    qg = upcast(q).reshape(b, hk, hq // hk, m, d)
     dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -37,6 +37,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tspc.runtime.precision import accumulation_dtype, upcast
+
 # An additive mask value at or below this hides a key (what ``passes/classify_mask.py`` reads
 # as ``where(C, 0, very negative)`` and ``documents_of_mask`` as masked).
 HIDDEN = -1e4
@@ -46,14 +48,14 @@ ROWS = 256
 
 
 def _scores(q, k, bias, scale):
-    """fp32 ``q k^T * scale + bias`` as [Hkv, g, n, L] (q [Hq, n, d], k [Hkv, L, d]; the g query
+    """``q k^T * scale + bias`` in the accumulation dtype (fp32 for 16-bit floats) as [Hkv, g, n, L] (q [Hq, n, d], k [Hkv, L, d]; the g query
     heads of a KV head share it: GQA without repeating K)."""
     hq, n, d = q.shape
     hk = k.shape[0]
-    qg = q.float().reshape(hk, hq // hk, n, d)
-    s = torch.matmul(qg, k.float()[:, None].transpose(-1, -2)) * scale
+    qg = upcast(q).reshape(hk, hq // hk, n, d)
+    s = torch.matmul(qg, upcast(k)[:, None].transpose(-1, -2)) * scale
     if isinstance(bias, torch.Tensor):  # [Hq|1, n, L]
-        b = bias.float()
+        b = upcast(bias)
         b = b.reshape(hk, hq // hk, n, -1) if b.shape[0] == hq and hq > 1 else b[None]
         return s + b, qg
     return s + bias, qg
@@ -67,7 +69,7 @@ def _softmax(x: torch.Tensor, safe: bool) -> torch.Tensor:
 
 
 def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) @ v`` (fp32, [Hq, n, dv]) of query rows q [Hq, n, d]
+    """``softmax(q k^T * scale + bias) @ v`` (accumulation dtype, [Hq, n, dv]) of query rows q [Hq, n, d]
     against every key k, v [Hkv, L, d]; ``bias`` a float (the same at every key) or a tensor
     broadcastable to [Hq|1, n, L]. ``safe``: SDPA's softmax (a row -inf everywhere is 0)."""
     hq, n = q.shape[:2]
@@ -76,25 +78,25 @@ def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
         b = bias if not isinstance(bias, torch.Tensor) else bias[:, r0 : r0 + ROWS]
         x, _ = _scores(q[:, r0 : r0 + ROWS], k, b, scale)
         p = _softmax(x, safe)
-        out.append(torch.matmul(p, v.float()[:, None]).reshape(hq, -1, v.shape[-1]))
+        out.append(torch.matmul(p, upcast(v)[:, None]).reshape(hq, -1, v.shape[-1]))
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def rows_backward(go, q, k, v, bias, scale: float, safe: bool):
-    """(dq [Hq, n, d], dk, dv [Hkv, L, d]) in fp32 of ``rows_forward`` for the output
+    """(dq [Hq, n, d], dk, dv [Hkv, L, d]) in the accumulation dtype of ``rows_forward`` for the output
     gradient ``go`` [Hq, n, dv]: autograd's softmax backward at the row's weights, as the
     eager code's autograd computes it."""
     hq, n = q.shape[:2]
     hk = k.shape[0]
-    kf, vf = k.float()[:, None], v.float()[:, None]  # [Hkv, 1, L, d]
+    kf, vf = upcast(k)[:, None], upcast(v)[:, None]  # [Hkv, 1, L, d]
     dq = []
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dk = torch.zeros(k.shape, dtype=accumulation_dtype(k.dtype), device=k.device)
+    dv = torch.zeros(v.shape, dtype=accumulation_dtype(v.dtype), device=v.device)
     for r0 in range(0, n, ROWS):
         b = bias if not isinstance(bias, torch.Tensor) else bias[:, r0 : r0 + ROWS]
         x, qg = _scores(q[:, r0 : r0 + ROWS], k, b, scale)
         p = _softmax(x, safe)  # [Hkv, g, r, L]
-        gog = go[:, r0 : r0 + ROWS].float().reshape(hk, hq // hk, -1, v.shape[-1])
+        gog = upcast(go[:, r0 : r0 + ROWS]).reshape(hk, hq // hk, -1, v.shape[-1])
         dv += torch.matmul(p.transpose(-1, -2), gog).sum(1)
         dp = torch.matmul(gog, vf.transpose(-1, -2))
         ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale

@@ -26,8 +26,7 @@ Each block runs on the kernel that fits the device and dtype (``attention_kernel
 flash, CUDA/ROCm flash or memory-efficient, a math fallback). Backward uses the kernel's own
 backward per block, given the *merged* output and log-sum-exp (the same identity ring attention
 relies on: each block's softmax weights are ``exp(scores - lse_total)``). The merge is in fp32
-on every device. Keys and values may have fewer heads than the queries (GQA); they are never
-repeated (see ``attention_kernels.py``).
+(float64 for a float64 model). K/V may have fewer heads than Q (GQA), never repeated.
 
 The op does no communication; it only needs ``rank`` and ``world`` to know which chunks it holds.
 """
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from tspc.runtime.compat import dispatch_key_for_device, tensor_version
+from tspc.runtime.precision import accumulation_dtype, upcast
 
 from .attention_kernels import block_backward, block_forward
 from .masked_rows import (
@@ -230,7 +230,7 @@ def _merge(parts, dtype):
         return parts[0]
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
     safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    o = sum(p_o.float() * torch.exp(p_l - safe).unsqueeze(-1) for p_o, p_l in parts)
+    o = sum(upcast(p_o) * torch.exp(p_l - safe).unsqueeze(-1) for p_o, p_l in parts)
     return o.to(dtype), lse
 
 
@@ -303,10 +303,10 @@ def _forward(
             if tile_out:
                 o, lse = torch.cat(tile_out, dim=2), torch.cat(tile_lse, dim=2)
             else:
-                o, lse = qg[:, :, :0], qg.new_zeros(qg.shape[:2] + (0,), dtype=torch.float32)
+                o, lse = qg[:, :, :0], qg.new_zeros(qg.shape[:2] + (0,))  # upcast below
             # rows that take no part (padding past the last key): output 0, lse -inf
             outs.append(_pad_rows(o, n, 0.0))
-            lses.append(_pad_rows(lse.float(), n, float("-inf")))
+            lses.append(_pad_rows(upcast(lse), n, float("-inf")))
         out_groups.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
         lse_groups.append(torch.cat(lses, dim=2) if len(lses) > 1 else lses[0])
     if len(out_groups) == 1:
@@ -349,7 +349,7 @@ def zigzag_causal_attention(
 @zigzag_causal_attention.register_fake
 def _(q, k, v, rank, world, scale, key_valid=None, window=None, doc_ids=None, dense_mask=None,
       masked_value=None, safe_softmax=True):  # fmt: skip
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 def _setup(ctx, inputs, output):
