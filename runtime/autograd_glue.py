@@ -52,3 +52,24 @@ class _ReplicatedOutput(torch.autograd.Function):
 
 def replicated_output(x: torch.Tensor, rank: int) -> torch.Tensor:
     return _ReplicatedOutput.apply(x, rank)
+
+
+def plain_tangents(outputs):
+    """The compiled graph's outputs, each plain one that requires grad hooked so that a
+    DTensor gradient reaching it becomes the plain tensor the graph's backward expects.
+
+    Code after the graph may combine an output with tspc's DTensor parameters (an L2 penalty
+    over ``model.parameters()``: ``loss + sum(p.pow(2).sum() ...)`` is a replicated DTensor),
+    and autograd then hands the output a DTensor gradient, which aot_autograd's backward
+    refuses ("a tensor subclass where we guessed its metadata incorrectly"). The output is the
+    same on every rank, so its gradient is the DTensor's full value."""
+    for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+        if isinstance(out, torch.Tensor) and out.requires_grad and out.grad_fn is not None:
+            out.register_hook(_full_value)
+    return outputs
+
+
+def _full_value(grad: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad

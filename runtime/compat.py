@@ -402,3 +402,29 @@ def is_inductor_codegen_error(error: BaseException) -> bool:
     from torch._inductor.exc import InductorError
 
     return isinstance(error, InductorError)
+
+
+def donate_no_saved_buffers() -> None:
+    """Called while aot_autograd compiles a backward graph: no saved activation is donated to
+    it (the compile's ``fw_metadata.bw_donated_idxs`` is emptied, which Inductor reads for its
+    buffer reuse and aot_autograd for its ``retain_graph`` check). tspc compiles the backward
+    with the forward (``eager_backward_compile``); torch empties the donations only for a
+    backward compiled lazily under ``retain_graph=True``, and with them kept every
+    ``backward(retain_graph=True)`` that plain ``torch.compile`` runs is refused. (A donation
+    lets Inductor write into a saved activation's buffer instead of a fresh one; the backward
+    still frees each input after its last use.)"""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is not None and ctx.fw_metadata is not None:
+        ctx.fw_metadata.bw_donated_idxs = []
+
+
+def copy_grad_hooks(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Register on ``dst`` the gradient hooks the user put on ``src`` (``register_hook``,
+    ``register_post_accumulate_grad_hook``; torch keeps them in private attributes): a
+    parameter tspc replaces by its DTensor keeps them, as it does under plain torch.compile."""
+    for hook in (getattr(src, "_backward_hooks", None) or {}).values():
+        dst.register_hook(hook)
+    for hook in (getattr(src, "_post_accumulate_grad_hooks", None) or {}).values():
+        dst.register_post_accumulate_grad_hook(hook)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from .compat import disable_torch_function_subclass, storage_use_count
+from .errors import TSPHeldWholeWarning
 from .shard_store import STORE
 
 _internal = [0]  # >0 while tspc itself handles released parameters (compiling, running)
@@ -193,6 +195,20 @@ def release_original(p: nn.Parameter, whole_too: bool = False) -> int | None:
     if entry is not None:
         entry.released = True
     return freed
+
+
+def warn_shared_storage(names: list[str]) -> None:
+    """The sharded weights (``Module.name``) whose full storage ``release_original`` left."""
+    if names:
+        warnings.warn(
+            f"tspc: {len(names)} sharded weight(s) ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}) share their storage with other tensors "
+            "(views of one tensor, a flat buffer): it is not freed, so these weights still take "
+            "their full memory on every rank. Give each parameter its own storage before "
+            "compiling (p.data = p.data.clone()) for the 1/D memory.",
+            TSPHeldWholeWarning,
+            stacklevel=4,
+        )
 
 
 def stack_root(owners: list[nn.Module]) -> nn.Module | None:

@@ -37,8 +37,14 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autograd_glue import sync_replicated_grad
+from .compat import (
+    copy_grad_hooks,
+    no_fake_mode,
+    optimized_module_class,
+    outermost_module_call,
+    strided_shard,
+)
 from .compat import is_strided_shard as _is_strided
-from .compat import no_fake_mode, optimized_module_class, outermost_module_call, strided_shard
 from .data_parallel import grad_written
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .errors import TSPConfigError, TSPHeldWholeWarning
@@ -310,6 +316,7 @@ def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
         dparam = _replicated_dparam(p, mesh, group)
         handle = _storage_less(p) if is_dp_sharded(dparam) else p
     tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
+    copy_grad_hooks(p, dparam)  # the user's, before tspc's own (``_route_grad``) on p
     REGISTRY.add(p, tp)
     REGISTRY.add(handle, tp)
     REGISTRY.add(dparam, tp)
@@ -330,7 +337,7 @@ def graph_input(tp: TSPParam) -> torch.Tensor:
 def adopt(tps: Iterable[TSPParam]) -> None:
     """Make the modules holding the parameters of ``tps`` hold their DTensors instead (after
     a graph's first call), and release the full storage of the sharded ones."""
-    from .release import owner_modules_of, release_original, stack_root
+    from .release import owner_modules_of, release_original, stack_root, warn_shared_storage
 
     todo = [tp for tp in tps if not tp.owners and tp.original is not None]
     todo = list({id(tp): tp for tp in todo}.values())
@@ -357,16 +364,7 @@ def adopt(tps: Iterable[TSPParam]) -> None:
         if tp.storage_less and release_original(p, whole_too=True) is None:
             shared.extend(f"{type(m).__name__}.{name}" for m, name in tp.owners[:1])
         tp.original = None  # released or the stand-in itself: nothing more to do with it
-    if shared:
-        warnings.warn(
-            f"tspc: {len(shared)} sharded weight(s) ({', '.join(shared[:4])}"
-            f"{', ...' if len(shared) > 4 else ''}) share their storage with other tensors "
-            "(views of one tensor, a flat buffer): it is not freed, so these weights still take "
-            "their full memory on every rank. Give each parameter its own storage before "
-            "compiling (p.data = p.data.clone()) for the 1/D memory.",
-            TSPHeldWholeWarning,
-            stacklevel=3,
-        )
+    warn_shared_storage(shared)
     if entry_module is not None:
         _watch(entry_module, todo)
     else:

@@ -30,6 +30,7 @@ import torch.fx as fx
 from tspc.passes.analyse import analyse
 from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
+from tspc.runtime.autograd_glue import plain_tangents
 from tspc.runtime.compat import tracing_context
 from tspc.runtime.context import RuntimeContext
 from tspc.runtime.data_parallel import average_grads_over
@@ -268,8 +269,7 @@ def _static_shard_examples(inputs: list[Any], n_original: int) -> list[Any]:
     """The shard inputs as fake tensors of Dynamo's fake mode, with static shapes.
 
     Inputs without a Dynamo source would otherwise get symbolic sizes from the shape
-    environment aot_autograd shares with Dynamo; the passes specialised every shape.
-    """
+    environment aot_autograd shares with Dynamo; the passes specialised every shape."""
     ctx = tracing_context()
     fake_mode = getattr(ctx, "fake_mode", None)
     if fake_mode is None:
@@ -385,7 +385,7 @@ class _CompiledTSPGraph:
         if tps:
             adopt(tps)
             watch_optimizers(tps)  # optimizers built before this call hold the originals
-        return out
+        return plain_tangents(out)  # code after the graph may mix the output with DTensors
 
 
 MAX_FAMILIES = 2

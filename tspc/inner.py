@@ -49,6 +49,7 @@ from tspc.runtime import comm
 from tspc.runtime.comm import is_transfer
 from tspc.runtime.compat import (
     autograd_cache_off,
+    donate_no_saved_buffers,
     eager_backward_compile,
     is_inductor_codegen_error,
     partitioner_without_cse,
@@ -357,6 +358,8 @@ def compile_inner(
             return fn
 
         def compile_one(g: fx.GraphModule, ex):
+            if kind == "backward":  # retain_graph=True, as plain torch.compile allows it
+                donate_no_saved_buffers()
             gms = graphs.forward_gms if kind == "forward" else graphs.backward_gms
             ctx = GraphContext(g.graph, opts, g, list(ex))
             snapshots = [("partitioned", ctx.code())] if opts.dump_dir else None
