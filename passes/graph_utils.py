@@ -241,10 +241,14 @@ def _write_is_live(n: fx.Node) -> bool:
     canonicalize_attention replaced an eager attention, Falcon's ``scores /= c`` kept the unused
     ``q @ k^T`` and its K gather alive)."""
     for a in mutated_args(n):
-        if a.op in ("placeholder", "get_attr") or is_view(a):
-            return True
-        if any(u is not n and not mutated_args(u) for u in a.users):
-            return True
+        chain = [a]  # an in-place call returns what it wrote: x.mul_(c).add_(y) writes x
+        while mutated_args(chain[-1]) and len(chain) < 64:
+            chain.append(mutated_args(chain[-1])[0])
+        for x in chain:
+            if x.op in ("placeholder", "get_attr") or is_view(x):
+                return True
+            if any(u is not n and not mutated_args(u) for u in x.users):
+                return True
     return False
 
 

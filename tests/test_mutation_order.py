@@ -36,6 +36,26 @@ def test_dead_code_elimination_keeps_in_place_writes():
         torch.testing.assert_close(got, want)
 
 
+def test_a_chain_of_writes_into_a_buffer_is_kept():
+    """``self.ema.mul_(0.9).add_(0.1 * m)``, the moving-average idiom: the ``add_`` writes what
+    ``mul_`` returned, the buffer itself. It was dropped as a write into a value nobody reads,
+    silently leaving the buffer at ``0.9 * ema`` (found by probing, at every D)."""
+    ema = torch.zeros(4)
+
+    def f(x):
+        with torch.no_grad():
+            ema.mul_(0.9).add_(0.1 * x)
+        return x * 2
+
+    x = torch.randn(4)
+    gm, inputs = capture(f, x)
+    ema.zero_()
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+    gm(*inputs)
+    torch.testing.assert_close(ema, 0.1 * x)
+
+
 def test_a_write_into_a_value_nobody_reads_is_dead():
     """Falcon's eager ``scores /= c`` once canonicalize_attention has replaced the attention:
     the in-place write must not keep the unused ``q @ k^T`` (and, sharded, its K gather)."""
