@@ -189,7 +189,14 @@ class _Keyer:
                     s = g.call_function(torch.masked_fill, (s, hide, -math.inf))
                 else:
                     s = g.call_function(torch.add, (s, mask))
+            # SDPA's safe softmax: a row hidden from every key (left padding) is 0, not NaN;
+            # its scores become 0 first, so no NaN reaches the backward either
+            dead = g.call_function(
+                torch.all, (g.call_function(torch.isneginf, (s,)),), {"dim": -1, "keepdim": True}
+            )
+            s = g.call_function(torch.masked_fill, (s, dead, 0.0))
             probs = g.call_function(torch.softmax, (s, -1))
+            probs = g.call_function(torch.masked_fill, (probs, dead, 0.0))
             probs = g.call_function(
                 torch.ops.tspc.keyed_dropout.default,
                 (probs, self.seed_node(qv.device), self.next_key(), float(p), 0, None, 0),

@@ -76,6 +76,26 @@ def test_random_ops_become_keyed_ops():
     assert "broadcast" in gm2.code
 
 
+def test_sdpa_dropout_keeps_rows_hidden_from_every_key_zero():
+    """SDPA with ``dropout_p`` rewritten to its math: a query row the mask hides from every key
+    (left padding) is 0 and takes no gradient, as SDPA's safe softmax has it — not NaN, which
+    made GPT-2's loss and every gradient NaN in training with left padding (found by probing)."""
+    from tspc.passes.keyed_random import key_random_ops
+
+    def f(q, mask):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=0.2)
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    mask[:3] = False  # three rows see no key
+    gm = _graph(f, q, mask)
+    key_random_ops(gm, "", 1)
+    out = gm(q, mask)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out[:, :, :3] == 0).all()
+
+
 def test_sharded_dropout_gets_global_positions():
     """Through the sequence pass (fake group at D = 2, rank 1): the keyed dropout on a sharded
     activation is told its split dimension and its zigzag positions — not gathered."""
