@@ -197,6 +197,20 @@ def release_original(p: nn.Parameter, whole_too: bool = False) -> int | None:
     return freed
 
 
+def storage_less(like: torch.Tensor) -> nn.Parameter:
+    """A full-shape tensor with no storage: the stand-in of a sharded weight, which the
+    compiled graphs receive but never read (they read its shards). Same metadata as the
+    parameter Dynamo traced, so its guards still hold."""
+    t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+    t.untyped_storage().resize_(0)
+    return nn.Parameter(t, requires_grad=like.requires_grad)
+
+
+def storage_less_like(dp: torch.Tensor) -> nn.Parameter:
+    t = torch.empty(dp.shape, dtype=dp.dtype, device=dp.device)
+    return storage_less(t.requires_grad_(dp.requires_grad))
+
+
 def warn_shared_storage(names: list[str]) -> None:
     """The sharded weights (``Module.name``) whose full storage ``release_original`` left."""
     if names:

@@ -49,6 +49,7 @@ from .data_parallel import grad_written
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .errors import TSPConfigError, TSPHeldWholeWarning
 from .group import process_group
+from .release import storage_less, storage_less_like
 from .shard_store import STORE, Layout, ShardedParam, ShardSpec
 
 log = logging.getLogger("tspc")
@@ -265,15 +266,6 @@ def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Para
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
-def _storage_less(like: torch.Tensor) -> nn.Parameter:
-    """A full-shape tensor with no storage: the stand-in of a sharded weight, which the
-    compiled graphs receive but never read (they read its shards). Same metadata as the
-    parameter Dynamo traced, so its guards still hold."""
-    t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
-    t.untyped_storage().resize_(0)
-    return nn.Parameter(t, requires_grad=like.requires_grad)
-
-
 # --------------------------------------------------------------------------- per call
 
 
@@ -309,12 +301,12 @@ def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
     if entry is not None and entry.dparam is not None:
         dparam = entry.dparam
         whole = entry.placement[0] == "replicate" and not is_dp_sharded(dparam)
-        handle = p if whole else _storage_less(p)
+        handle = p if whole else storage_less(p)
         STORE.alias(handle, p)
     else:
         entry = None
         dparam = _replicated_dparam(p, mesh, group)
-        handle = _storage_less(p) if is_dp_sharded(dparam) else p
+        handle = storage_less(p) if is_dp_sharded(dparam) else p
     tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
     copy_grad_hooks(p, dparam)  # the user's, before tspc's own (``_route_grad``) on p
     REGISTRY.add(p, tp)
@@ -408,9 +400,18 @@ def _own(m: nn.Module, tp: TSPParam) -> None:
     module, not only as long as the compiled module whose first call made it. An attribute,
     not a weakly keyed table: ``tp`` refers to ``m`` (its owners), which would keep a table's
     key alive for good; a cycle through the module goes with it."""
-    records = m.__dict__.setdefault("_tspc_records", [])
+    records = m.__dict__.setdefault("_tspc_records", _Records())
     if tp not in records:
         records.append(tp)
+
+
+class _Records(list):
+    """A module's TSPParams. A deep copy of the module (``AveragedModel``, an EMA copy) gets
+    none: its DTensors are copied with it, and a copy of a record would copy the storage-less
+    stand-in, whose data copy reads memory it does not have (both ranks crashed)."""
+
+    def __deepcopy__(self, memo) -> _Records:
+        return _Records()
 
 
 def _add_eager_guard(m: nn.Module) -> None:
@@ -503,7 +504,7 @@ def _refresh_handle(tp: TSPParam) -> None:
     ):
         return
     if tp.storage_less:
-        new = _storage_less_like(dp)
+        new = storage_less_like(dp)
     else:
         new = nn.Parameter(_local(dp), requires_grad=dp.requires_grad)
         _route_grad(new, tp)
@@ -511,11 +512,6 @@ def _refresh_handle(tp: TSPParam) -> None:
     REGISTRY.add(new, tp)
     if tp.entry is not None:
         STORE.alias(new, h)
-
-
-def _storage_less_like(dp: torch.Tensor) -> nn.Parameter:
-    t = torch.empty(dp.shape, dtype=dp.dtype, device=dp.device)
-    return _storage_less(t.requires_grad_(dp.requires_grad))
 
 
 def _local(dp: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ gloo): each crashed or was silently wrong under tspc until probing found it.
   p²``): the sum over tspc's DTensor parameters is a DTensor, whose gradient aot_autograd's
   backward refused at the graph's output (``runtime/autograd_glue.plain_tangents``). Added to a
   loss computed after the graph, the penalty must be made whole first (``.full_tensor()``), as
-  with any DTensor parameters (FSDP2's too): autograd hands plain code a DTensor gradient.
+  with any DTensor parameters (FSDP2's too): autograd hands plain code a DTensor gradient;
+* ``copy.deepcopy(model)`` after the first call (``AveragedModel``, EMA copies): both ranks
+  crashed copying a sharded weight's storage-less stand-in (``runtime/tsp_params._Records``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def forms_worker(rank: int, world: int) -> dict:
         _loss(compiled, ids).backward()
     out["hooks"] = grad_err_vs(ref, model)
     out["post_accumulate_calls"] = (calls["ref"], calls["tsp"])
+    # a deep copy of the model after its first call (AveragedModel, an EMA copy): the same
+    # weights (it crashed both ranks, copying a sharded weight's storage-less stand-in)
+    twin = copy.deepcopy(model)
+    out["deepcopy"] = max(
+        (a.full_tensor() - b.full_tensor()).abs().max().item()
+        for a, b in zip(model.parameters(), twin.parameters())
+    )
 
     # two backwards through one graph
     ref, model, compiled = _pair()
@@ -95,5 +104,6 @@ def forms_worker(rank: int, world: int) -> dict:
 def test_hooks_retain_graph_and_parameter_penalties_equal_one_process():
     for r in spawn(forms_worker, 2, timeout=600):
         assert r["post_accumulate_calls"][0] == r["post_accumulate_calls"][1], r
+        assert r["deepcopy"] == 0.0, r
         for key in ("hooks", "retain_graph", "penalty_in_graph", "penalty_after_graph"):
             assert r[key] < 1e-5, (key, r)
