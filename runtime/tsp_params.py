@@ -204,6 +204,7 @@ def is_tsp_dtensor(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- creation
 
 
+@torch.inference_mode(False)  # made under inference_mode too: trainable, not inference tensors
 def create_sharded_dparam(full: nn.Parameter, entry: ShardedParam, keep_whole: bool) -> None:
     """Cut this rank's slices of ``full`` into the local tensor of a new DTensor parameter.
 
@@ -289,6 +290,7 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
 # --------------------------------------------------------------------------- adoption
 
 
+@torch.inference_mode(False)  # (see create_sharded_dparam)
 def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
     """The TSPParam of a parameter a graph receives (created at its first call): the DTensor
     parameter exists from the first call on, so gradients land on it from the first backward.

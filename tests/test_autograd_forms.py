@@ -12,6 +12,8 @@ gloo): each crashed or was silently wrong under tspc until probing found it.
   backward refused at the graph's output (``runtime/autograd_glue.plain_tangents``). Added to a
   loss computed after the graph, the penalty must be made whole first (``.full_tensor()``), as
   with any DTensor parameters (FSDP2's too): autograd hands plain code a DTensor gradient;
+* the first call under ``torch.inference_mode()``: the DTensor parameters were made as inference
+  tensors, and the training that followed fell back and its optimizer step raised;
 * ``copy.deepcopy(model)`` after the first call (``AveragedModel``, EMA copies): both ranks
   crashed copying a sharded weight's storage-less stand-in (``runtime/tsp_params._Records``).
 """
@@ -24,6 +26,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+import tspc
 from samples.reference_model import build_reference_model
 from tests.helpers import grad_err_vs
 from tests.test_training import WithLoss
@@ -68,6 +71,18 @@ def forms_worker(rank: int, world: int) -> dict:
         for a, b in zip(model.parameters(), twin.parameters())
     )
 
+    # the first call under inference_mode (a check before training), then a training step:
+    # the DTensor parameters were inference tensors, the next compile fell back, AdamW raised
+    ref, model, compiled = _pair()
+    with torch.inference_mode():
+        compiled(ids)
+    _loss(ref, ids).backward()
+    _loss(compiled, ids).backward()
+    out["after_inference_mode"] = grad_err_vs(ref, model)
+    for m in (ref, model):
+        torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4).step()
+    out["after_inference_mode_level"] = tspc.last_report().level
+
     # two backwards through one graph
     ref, model, compiled = _pair()
     for m in (ref, compiled):
@@ -104,6 +119,12 @@ def forms_worker(rank: int, world: int) -> dict:
 def test_hooks_retain_graph_and_parameter_penalties_equal_one_process():
     for r in spawn(forms_worker, 2, timeout=600):
         assert r["post_accumulate_calls"][0] == r["post_accumulate_calls"][1], r
-        assert r["deepcopy"] == 0.0, r
-        for key in ("hooks", "retain_graph", "penalty_in_graph", "penalty_after_graph"):
+        assert r["deepcopy"] == 0.0 and r["after_inference_mode_level"] == "tsp", r
+        for key in (
+            "hooks",
+            "after_inference_mode",
+            "retain_graph",
+            "penalty_in_graph",
+            "penalty_after_graph",
+        ):
             assert r[key] < 1e-5, (key, r)
