@@ -184,9 +184,7 @@ class _Registry:
         return self.get(t) is not None
 
     def meshes(self) -> list[DeviceMesh]:  # of the live DTensor parameters tspc made
-        return [
-            tp.dparam.device_mesh for r in list(self._by_id.values()) if (tp := r()) is not None
-        ]
+        return [tp.dparam.device_mesh for r in list(self._by_id.values()) if (tp := r())]
 
 
 REGISTRY = _Registry()
@@ -447,7 +445,12 @@ def _eager_guard(module: nn.Module, args) -> None:
 
 @torch.compiler.disable  # reads the Python stack, which Dynamo cannot trace
 def _check_eager_call(module: nn.Module) -> None:
-    names = [n for n, p in module._parameters.items() if p is not None and is_tsp_dtensor(p)]
+    meshes = REGISTRY.meshes()  # a deep copy's DTensors: not registered, on a copy of a mesh
+    names = [
+        n
+        for n, p in module._parameters.items()
+        if isinstance(p, DTensor) and (is_tsp_dtensor(p) or any(p.device_mesh == m for m in meshes))
+    ]
     if not names:
         return
     entry = _entry_module()

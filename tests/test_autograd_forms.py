@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 import tspc
 from samples.reference_model import build_reference_model
-from tests.helpers import grad_err_vs
+from tests.helpers import error_message, grad_err_vs
 from tests.test_training import WithLoss
 from tspc.launch import spawn
 
@@ -70,6 +70,7 @@ def forms_worker(rank: int, world: int) -> dict:
         (a.full_tensor() - b.full_tensor()).abs().max().item()
         for a, b in zip(model.parameters(), twin.parameters())
     )
+    out["deepcopy_called"] = error_message(lambda: twin(ids))  # tspc's error, not DTensor's
 
     # the first call under inference_mode (a check before training), then a training step:
     # the DTensor parameters were inference tensors, the next compile fell back, AdamW raised
@@ -119,6 +120,7 @@ def forms_worker(rank: int, world: int) -> dict:
 def test_hooks_retain_graph_and_parameter_penalties_equal_one_process():
     for r in spawn(forms_worker, 2, timeout=600):
         assert r["post_accumulate_calls"][0] == r["post_accumulate_calls"][1], r
+        assert "eagerly" in r["deepcopy_called"], r
         assert r["deepcopy"] == 0.0 and r["after_inference_mode_level"] == "tsp", r
         for key in (
             "hooks",
