@@ -128,8 +128,8 @@ def partial_attention(
     (query head i reads KV head i // (H / H_kv)); ``keep`` [B, T, L] bool or None (all keys).
 
     Returns the output normalised over these keys [B, H, T, d] and the log-sum-exp of the
-    scores [B, H, T], both in the accumulation dtype (fp32 for 16-bit floats); a row with no key here has log-sum-exp -inf and output 0, so it
-    weighs nothing in ``merge_partials``."""
+    scores [B, H, T], both in the accumulation dtype (fp32 for 16-bit floats); a row with no
+    key here has log-sum-exp -inf and output 0, so it weighs nothing in ``merge_partials``."""
     B, H, T, d = q.shape
     hkv, L = k.shape[1], k.shape[2]
     qf = upcast(q).reshape(B, hkv, H // hkv, T, d)
