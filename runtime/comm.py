@@ -149,8 +149,9 @@ def _wait(pending: torch.Tensor) -> torch.Tensor:
 def _accumulation_copy(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy to reduce into: fp32 for 16-bit floats, whose sums over ranks would
     otherwise round at every step (gradients of bf16 training)."""
-    if x.dtype != accumulation_dtype(x.dtype):
-        return x.to(accumulation_dtype(x.dtype), memory_format=torch.contiguous_format)
+    acc = accumulation_dtype(x.dtype)
+    if x.dtype != acc:
+        return x.to(acc, memory_format=torch.contiguous_format)
     return x.contiguous().clone()
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
+HALF = (torch.float16, torch.bfloat16)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _HALF else dtype
+    return torch.float32 if dtype in HALF else dtype
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

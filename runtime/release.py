@@ -197,6 +197,7 @@ def release_original(p: nn.Parameter, whole_too: bool = False) -> int | None:
     return freed
 
 
+@torch.inference_mode(False)  # a stand-in made at a first call under inference_mode
 def storage_less(like: torch.Tensor) -> nn.Parameter:
     """A full-shape tensor with no storage: the stand-in of a sharded weight, which the
     compiled graphs receive but never read (they read its shards). Same metadata as the

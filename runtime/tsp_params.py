@@ -256,6 +256,7 @@ def bind_to_replicated(entry: ShardedParam, tp: TSPParam) -> None:
     )
 
 
+@torch.inference_mode(False)  # (see create_sharded_dparam)
 def _replicated_dparam(p: nn.Parameter, mesh: DeviceMesh, group: str) -> nn.Parameter:
     two_d = make_dparam(p.detach(), Replicate(), group, p, STORE.held_whole(p))
     if two_d is not None:  # data_parallel="fsdp": split over the mesh (runtime/dp_shard.py)
@@ -288,7 +289,6 @@ def local_views(entry: ShardedParam, specs: list[ShardSpec]) -> list[torch.Tenso
 # --------------------------------------------------------------------------- adoption
 
 
-@torch.inference_mode(False)  # (see create_sharded_dparam)
 def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
     """The TSPParam of a parameter a graph receives (created at its first call): the DTensor
     parameter exists from the first call on, so gradients land on it from the first backward.
@@ -445,11 +445,11 @@ def _eager_guard(module: nn.Module, args) -> None:
 
 @torch.compiler.disable  # reads the Python stack, which Dynamo cannot trace
 def _check_eager_call(module: nn.Module) -> None:
-    meshes = REGISTRY.meshes()  # a deep copy's DTensors: not registered, on a copy of a mesh
-    names = [
+    names = [  # a deep copy's DTensors: not registered, on a copy of a tspc mesh
         n
         for n, p in module._parameters.items()
-        if isinstance(p, DTensor) and (is_tsp_dtensor(p) or any(p.device_mesh == m for m in meshes))
+        if isinstance(p, DTensor)
+        and (is_tsp_dtensor(p) or any(p.device_mesh == m for m in REGISTRY.meshes()))
     ]
     if not names:
         return

@@ -35,12 +35,12 @@ import math
 
 import torch
 
+from tspc.runtime.precision import HALF as _HALF
 from tspc.runtime.precision import upcast
 
 aten = torch.ops.aten
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "math")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def choose_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
@@ -140,8 +140,8 @@ def _backward_same_heads(kernel, go, q, k, v, out, lse, causal, bias, scale):
 
 
 def _math_scores(q, k, causal, bias, scale):
-    """Scores in the accumulation dtype (fp32 for 16-bit floats) [B, Hkv, g, M, L]: q [B, Hq, M, d] grouped over k [B, Hkv, L, d] by
-    broadcasting (no K copy)."""
+    """Scores [B, Hkv, g, M, L] in the accumulation dtype (fp32 for 16-bit floats): q [B, Hq,
+    M, d] grouped over k [B, Hkv, L, d] by broadcasting (no K copy)."""
     b, hq, m, d = q.shape
     hk = k.shape[1]
     qg = upcast(q).reshape(b, hk, hq // hk, m, d)

@@ -48,8 +48,9 @@ ROWS = 256
 
 
 def _scores(q, k, bias, scale):
-    """``q k^T * scale + bias`` in the accumulation dtype (fp32 for 16-bit floats) as [Hkv, g, n, L] (q [Hq, n, d], k [Hkv, L, d]; the g query
-    heads of a KV head share it: GQA without repeating K)."""
+    """``q k^T * scale + bias`` in the accumulation dtype (fp32 for 16-bit floats) as [Hkv, g,
+    n, L] (q [Hq, n, d], k [Hkv, L, d]; the g query heads of a KV head share it: GQA without
+    repeating K)."""
     hq, n, d = q.shape
     hk = k.shape[0]
     qg = upcast(q).reshape(hk, hq // hk, n, d)
@@ -69,8 +70,8 @@ def _softmax(x: torch.Tensor, safe: bool) -> torch.Tensor:
 
 
 def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
-    """``softmax(q k^T * scale + bias) @ v`` (accumulation dtype, [Hq, n, dv]) of query rows q [Hq, n, d]
-    against every key k, v [Hkv, L, d]; ``bias`` a float (the same at every key) or a tensor
+    """``softmax(q k^T * scale + bias) @ v`` (accumulation dtype, [Hq, n, dv]) of query rows
+    q [Hq, n, d] against every key k, v [Hkv, L, d]; ``bias`` a float (the same at every key) or a tensor
     broadcastable to [Hq|1, n, L]. ``safe``: SDPA's softmax (a row -inf everywhere is 0)."""
     hq, n = q.shape[:2]
     out = []
@@ -83,8 +84,8 @@ def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
 
 
 def rows_backward(go, q, k, v, bias, scale: float, safe: bool):
-    """(dq [Hq, n, d], dk, dv [Hkv, L, d]) in the accumulation dtype of ``rows_forward`` for the output
-    gradient ``go`` [Hq, n, dv]: autograd's softmax backward at the row's weights, as the
+    """(dq [Hq, n, d], dk, dv [Hkv, L, d]) in the accumulation dtype of ``rows_forward`` for
+    the output gradient ``go`` [Hq, n, dv]: autograd's softmax backward at the row's weights, as the
     eager code's autograd computes it."""
     hq, n = q.shape[:2]
     hk = k.shape[0]
