@@ -241,54 +241,20 @@ class ModelShape:
         return self.layers * self.layer_params + self.embedding_params + self.norm_params
 
 
-PRESETS: dict[str, ModelShape] = {
-    # The paper's reference "7B": h = 4096, 32 layers, 32 query and 32 KV heads, F = 4.
-    "7b": ModelShape(
-        hidden=4096,
-        layers=32,
-        heads=32,
-        kv_heads=32,
-        intermediate=16384,
-        vocab=32000,
-        tied_embeddings=False,
-        name="7b (paper reference)",
-    ),
-    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1's config.json, = transformers' MixtralConfig
-    # defaults): 46.7B parameters, 45.1B of them experts.
-    "mixtral-8x7b": ModelShape(
-        hidden=4096,
-        layers=32,
-        heads=32,
-        kv_heads=8,
-        intermediate=14336,
-        vocab=32000,
-        tied_embeddings=False,
-        name="mixtral-8x7b",
-        experts=8,
-        experts_per_token=2,
-        expert_intermediate=14336,
-        family="mixtral",
-    ),
-    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B's config.json): 30.5B parameters. transformers'
-    # Qwen3MoeConfig defaults agree on h, heads, KV heads, E, k, F_e and the vocabulary but
-    # default to 24 layers and head_dim h / heads = 64; the published model has 48 layers and
-    # head_dim 128 (Q is 4096 wide on a 2048 residual). Every layer is MoE.
-    "qwen3-30b-a3b": ModelShape(
-        hidden=2048,
-        layers=48,
-        heads=32,
-        kv_heads=4,
-        intermediate=6144,
-        vocab=151936,
-        tied_embeddings=False,
-        head_dim=128,
-        name="qwen3-30b-a3b",
-        experts=128,
-        experts_per_token=8,
-        expert_intermediate=768,
-        family="qwen3_moe",
-    ),
-}
+# The built-in shapes (``tspc plan --preset``) live in a JSON file next to this module, shipped as
+# package data; each entry's ``source`` says where its numbers come from (JSON has no comments).
+PRESETS_FILE = Path(__file__).with_name("model_presets.json")
+
+
+def _load_presets(path: Path) -> dict[str, ModelShape]:
+    entries = json.loads(path.read_text())
+    return {
+        key: ModelShape(**{k: v for k, v in entry.items() if k != "source"})
+        for key, entry in entries.items()
+    }
+
+
+PRESETS: dict[str, ModelShape] = _load_presets(PRESETS_FILE)
 
 
 def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:

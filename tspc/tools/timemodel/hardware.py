@@ -8,9 +8,10 @@ efficiencies: ``gemm_curve`` (FLOPs of one call -> FLOP/s reached) and ``memory_
 one call -> bytes/s), and ``collectives`` gives measured α and bandwidth per collective kind
 (what ``tspc plan --calibrate`` writes for this machine's gloo).
 
-The GPU presets are datasheet peaks times efficiencies that are *assumptions*, stated below
-next to each number with its source; edit them in a JSON file (``tspc plan --hardware x.json``)
-when you know better. None of them was fitted to a step time.
+The GPU presets (``hardware_presets.json``) are datasheet peaks times efficiencies that are
+*assumptions*, each preset's ``notes`` giving the source of its numbers; copy one into a JSON file
+of your own (``save_hardware``, then ``tspc plan --hardware x.json``) when you know better. None
+of them was fitted to a step time.
 """
 
 from __future__ import annotations
@@ -114,53 +115,25 @@ def interpolate(curve: list[list[float]], x: float) -> float:
     return curve[-1][1]
 
 
-GB = 1e9
-TB = 1e12
+# The presets live in a JSON file next to this module (shipped as package data), in the format
+# of ``--hardware FILE.json`` plus two keys of their own: ``notes``, where each number comes from
+# (JSON has no comments), and ``based_on``, a preset whose fields this one keeps unless it gives
+# them (the H200 is an H100 with more memory bandwidth).
+PRESETS_FILE = Path(__file__).with_name("hardware_presets.json")
 
-PRESETS: dict[str, Hardware] = {
-    # AMD Instinct MI300X (OAM, 750 W): 1307.4 TFLOP/s dense bf16/fp16, 653.7 fp32 matrix,
-    # 5.3 TB/s HBM3, 7 Infinity Fabric links x 64 GB/s per direction to the 7 peers of a node
-    # (AMD MI300X data sheet, 2023). Efficiencies are assumptions: GEMMs ~0.5 of peak (public
-    # hipBLASLt measurements of large bf16 GEMMs land near 600-700 TFLOP/s), flash attention
-    # ~0.35 (CK / Triton kernels), RCCL ring bus bandwidth ~0.75 of a fully connected node's
-    # 448 GB/s; α ~ 10 us per step. Inter-node: one 400 Gb/s NIC per GPU (50 GB/s), α 15 us.
-    "mi300x": Hardware(
-        name="mi300x",
-        peak_flops={"bf16": 1307.4 * TB, "fp16": 1307.4 * TB, "fp32": 653.7 * TB},
-        memory_bandwidth=5.3 * TB,
-        links={"intra": Link(10e-6, 0.75 * 448 * GB), "inter": Link(15e-6, 0.8 * 50 * GB)},
-        gemm_efficiency=0.5,
-        attention_efficiency=0.35,
-        memory_efficiency=0.7,
-        op_overhead=6e-6,
-        source="AMD Instinct MI300X data sheet (2023); efficiencies assumed (see hardware.py)",
-    ),
-    # NVIDIA H100 SXM5: 989.4 TFLOP/s dense bf16 (1979 with sparsity), 494.7 tf32, 3.35 TB/s
-    # HBM3, NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction through NVSwitch (NVIDIA
-    # H100 data sheet). Assumed: GEMMs ~0.7 of peak (cuBLAS large bf16 GEMMs reach ~700 TF),
-    # flash attention ~0.5 (FlashAttention-2/3 forward+backward), NCCL bus bandwidth ~0.8
-    # (nccl-tests report ~360-370 GB/s all-reduce bus bandwidth), α ~ 6 us. Inter-node:
-    # ConnectX-7 400 Gb/s per GPU (50 GB/s), α 12 us.
-    "h100": Hardware(
-        name="h100",
-        peak_flops={"bf16": 989.4 * TB, "fp16": 989.4 * TB, "fp32": 494.7 * TB},
-        memory_bandwidth=3.35 * TB,
-        links={"intra": Link(6e-6, 0.8 * 450 * GB), "inter": Link(12e-6, 0.8 * 50 * GB)},
-        gemm_efficiency=0.7,
-        attention_efficiency=0.5,
-        memory_efficiency=0.8,
-        op_overhead=4e-6,
-        source="NVIDIA H100 SXM5 data sheet; efficiencies assumed (see hardware.py)",
-    ),
-}
-# NVIDIA H200 SXM: the H100's compute (989.4 TFLOP/s dense bf16) with 4.8 TB/s HBM3e and the same
-# NVLink 4 (NVIDIA H200 data sheet); efficiencies as for the H100.
-PRESETS["h200"] = dataclasses.replace(
-    PRESETS["h100"],
-    name="h200",
-    memory_bandwidth=4.8 * TB,
-    source="NVIDIA H200 SXM data sheet; efficiencies assumed (see hardware.py)",
-)
+
+def _load_presets(path: Path) -> dict[str, Hardware]:
+    entries = json.loads(path.read_text())
+    presets: dict[str, Hardware] = {}
+    for key, entry in entries.items():
+        fields = {k: v for k, v in entry.items() if k not in ("notes", "based_on")}
+        if "based_on" in entry:
+            fields = presets[entry["based_on"]].to_json() | fields
+        presets[key] = Hardware.from_json(fields)
+    return presets
+
+
+PRESETS: dict[str, Hardware] = _load_presets(PRESETS_FILE)
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:
