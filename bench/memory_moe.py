@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,52 +41,53 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 
 from bench.memory import COLUMNS, MB, WARMUP_STEPS, Scheme, make_row, markdown_rows, row_cells
+from tspc.tools.shapes import ModelShape
 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A Mixtral shape and one sequence length (fp32)."""
+    """A Mixtral shape and one sequence length (fp32). The shape is the planner's ``ModelShape``
+    and the model is built from it as ``tspc plan --measure`` builds one (``hf_moe_config``), so
+    the bench and the planner's measurement run the same transformers config for a shape."""
 
-    hidden: int = 256
-    layers: int = 2
-    heads: int = 8
-    kv_heads: int = 4
-    experts: int = 8
-    top_k: int = 2
-    expert_intermediate: int = 512
-    vocab: int = 512
+    shape: ModelShape
     seq: int = 512
     batch: int = 1
 
     def hf_config(self) -> Any:
-        from transformers import AutoConfig
+        from tspc.tools.fake_moe import hf_moe_config
 
-        cfg = AutoConfig.for_model(
-            "mixtral",
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            num_local_experts=self.experts,
-            num_experts_per_tok=self.top_k,
-            intermediate_size=self.expert_intermediate,
-            tie_word_embeddings=False,
-        )
-        cfg._attn_implementation = "sdpa"
-        return cfg
+        return hf_moe_config(self.shape)
 
     def summary(self) -> str:
+        m = self.shape
         return (
-            f"Mixtral h={self.hidden} L={self.layers} heads={self.heads}/{self.kv_heads}kv "
-            f"E={self.experts} top-{self.top_k} F={self.expert_intermediate} "
-            f"vocab={self.vocab} B={self.batch} S={self.seq} fp32"
+            f"Mixtral h={m.hidden} L={m.layers} heads={m.heads}/{m.kv_heads}kv "
+            f"E={m.experts} top-{m.experts_per_token} F={m.expert_intermediate} "
+            f"vocab={m.vocab} B={self.batch} S={self.seq} fp32"
         )
 
 
-FULL = MoeConfig()
+FULL = MoeConfig(
+    ModelShape(
+        hidden=256,
+        layers=2,
+        heads=8,
+        kv_heads=4,
+        intermediate=512,  # unused: every layer is MoE
+        vocab=512,
+        experts=8,
+        experts_per_token=2,
+        expert_intermediate=512,
+        family="mixtral",
+        name="mixtral (bench)",
+    )
+)
 QUICK = MoeConfig(
-    hidden=64, heads=4, kv_heads=4, experts=4, expert_intermediate=128, vocab=256, seq=64
+    replace(
+        FULL.shape, hidden=64, heads=4, kv_heads=4, experts=4, expert_intermediate=128, vocab=256
+    ),
+    seq=64,
 )
 
 
@@ -136,8 +137,8 @@ def measure_rank(rank: int, world_size: int, job: Job) -> dict[str, Any]:
     cfg = job.config
     g = torch.Generator().manual_seed(1)
     with MemoryTracker() as tracker:
-        ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
-        targets = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+        ids = torch.randint(0, cfg.shape.vocab, (cfg.batch, cfg.seq), generator=g)
+        targets = torch.randint(0, cfg.shape.vocab, (cfg.batch, cfg.seq), generator=g)
         model, step = _build(job)
 
         def make_optimizer():

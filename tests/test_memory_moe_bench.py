@@ -22,7 +22,7 @@ def test_quick_moe_rows_train_the_same_model():
         assert loss == pytest.approx(one_loss, rel=1e-5)
     assert tsp.level == "tsp" and tsp_skipped == [0, 0]
     # attention + MoE block of each layer matched
-    assert tsp.matched == 2 * QUICK.layers, tsp.matched
+    assert tsp.matched == 2 * QUICK.shape.layers, tsp.matched
     for row in (tsp, tpsp, tpep):  # all shard the experts and the attention: fewer bytes held
         assert row.parts["parameters"] < 0.7 * one.parts["parameters"], row
         assert row.peak < one.peak
