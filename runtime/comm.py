@@ -142,6 +142,12 @@ def _pending(out: torch.Tensor, works, kind: str, tag: str, keepalive: tuple) ->
     return out
 
 
+def wait_works(works, kind: str, tag: str, on_cpu: bool) -> None:
+    """Wait c10d Works issued outside the start/wait ops (inside a runtime op), with this
+    graph's timeout and the same ``CollectiveTimeout`` naming ``kind`` and the layer."""
+    _TransferWork(works, kind, tag, (), on_cpu).wait()
+
+
 def _wait(pending: torch.Tensor) -> torch.Tensor:
     return _WAIT_TENSOR(pending)
 

@@ -13,17 +13,21 @@ autograd's. Per call:
 
 1. the pairs are sorted by expert (so by owner), and every rank sends every other the number
    of its pairs per expert that rank owns (an all-to-all of ``c`` int64 per rank);
-2. each pair's hidden state goes to the expert's owner (``all_to_all_single``, variable splits);
+2. each pair's hidden state goes to the expert's owner;
 3. the owner runs each of its experts on the rows it received for it:
    ``w2_e(chain(w1_e(x)))`` (``chain``: the activation the model applies between the two
    stacked matmuls, copied from its graph);
-4. the results go back by the reverse all-to-all and are put back into pair order.
+4. the results go back and are put back into pair order.
+
+Steps 2-4 are one exchange pipelined with the experts, peer by peer
+(``moe_exchange.exchange_and_compute``): the bytes of a dispatch and a combine all-to-all,
+with the experts running while the other peers' rows and results travel.
 
 No pair is dropped or capped, so the result equals one process. Backward sends each pair's
 hidden state and output gradient to the owner again (two all-to-alls: nothing of data-dependent
 size is saved between forward and backward), the owner takes the gradient of its experts
-(``torch.func.vjp``) (weight gradients land on its own expert shards only), and the inputs' gradients come
-back by the reverse all-to-all.
+(``torch.func.vjp``; weight gradients land on its own expert shards only), and the inputs'
+gradients come back — the same pipelined exchange.
 
 Bytes: every all-to-all is counted in ``COUNTER`` under the layer's tag as ``all_to_all``, by the
 bytes each rank really receives from and sends to the others (``moe_bytes`` is the formula the
@@ -33,12 +37,14 @@ tests hold it against). ``LOAD[tag]`` keeps the rows this rank computed in the l
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
 
 from .counters import COUNTER
 from .group import process_group
+from .moe_exchange import Routing, exchange_and_compute
 from .ring_mlp import chain_of
 
 LOAD: dict[str, int] = {}
@@ -83,11 +89,17 @@ class _Plan:
             _count(tag, (world - 1) * c * 8, world)
         self.recv_per_expert = recv.view(world, c)  # [source rank, my local expert]
         self.recv_counts = self.recv_per_expert.sum(1).tolist()
+        self._recv_at = [0, *accumulate(self.recv_counts)]
         # the local expert of every received row: rows come by source rank, then by expert
         self.local_expert = torch.repeat_interleave(
             torch.arange(c, device=ids.device).repeat(world), self.recv_per_expert.reshape(-1)
         )
         self.owned = len(owned_experts(experts, world, rank))
+        self.routing = Routing(self.send_counts, self.recv_counts, rank, group, tag)
+
+    def experts_of(self, source: int) -> torch.Tensor:
+        """The local expert of each row rank ``source`` sends this rank, in its order."""
+        return self.local_expert[self._recv_at[source] : self._recv_at[source + 1]]
 
 
 def _count(tag: str, recv_bytes: int, world: int, sent_bytes: int | None = None) -> None:
@@ -96,29 +108,12 @@ def _count(tag: str, recv_bytes: int, world: int, sent_bytes: int | None = None)
     )
 
 
-def _exchange(
-    x: torch.Tensor, send: list[int], recv: list[int], rank: int, group, tag: str
-) -> torch.Tensor:
-    """Rows ``x`` (grouped by destination, ``send[q]`` for rank q) to their ranks; returns the
-    rows received, grouped by source (``recv[s]`` from rank s)."""
-    world = len(send)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, recv, send, group=group)
-    row = (x.numel() // max(x.shape[0], 1)) * x.element_size()
-    _count(tag, (sum(recv) - recv[rank]) * row, world, (sum(send) - send[rank]) * row)
-    return out
-
-
-def _run_experts(plan: _Plan, rows: torch.Tensor, fn: Callable, out_width: int, dtype):
-    out = rows.new_zeros((rows.shape[0], out_width), dtype=dtype)
-    for e in range(plan.owned):
-        sel = (plan.local_expert == e).nonzero().squeeze(1)
+def _rows_by_expert(local_expert: torch.Tensor, owned: int):
+    """(expert, the indices of its rows) for each local expert that has rows."""
+    for e in range(owned):
+        sel = (local_expert == e).nonzero().squeeze(1)
         if sel.numel():
-            out[sel] = fn(e, rows[sel]).to(dtype)
-    return out
+            yield e, sel
 
 
 @torch.library.custom_op("tspc::moe_experts", mutates_args=())
@@ -144,12 +139,16 @@ def moe_experts(
     _LOAD_GROUP[tag] = group
     k = ids.numel() // max(x.shape[0], 1)
     src = x.reshape(x.shape[0], -1)[plan.order // k]
-    rows = _exchange(src, plan.send_counts, plan.recv_counts, rank, pg, tag)
     h = x.shape[-1]
-    done = _run_experts(
-        plan, rows, lambda e, r: _expert_forward(fn, orient, r, w1[e], w2[e]), h, out_dtype
-    )
-    back = _exchange(done, plan.recv_counts, plan.send_counts, rank, pg, tag)
+
+    def run(parts: list[torch.Tensor], source: int) -> torch.Tensor:
+        rows = parts[0]
+        done = rows.new_zeros((rows.shape[0], h), dtype=out_dtype)
+        for e, sel in _rows_by_expert(plan.experts_of(source), plan.owned):
+            done[sel] = _expert_forward(fn, orient, rows[sel], w1[e], w2[e]).to(out_dtype)
+        return done
+
+    back = exchange_and_compute([src], plan.routing, run, h, out_dtype)
     out = torch.empty_like(back)
     out[plan.order] = back
     return out
@@ -182,25 +181,24 @@ def moe_experts_backward(
     plan = _Plan(ids, experts, world, rank, pg, tag)
     k = ids.numel() // max(x.shape[0], 1)
     n, h = x.shape[0], x.shape[-1]
-    rows = _exchange(
-        x.reshape(n, -1)[plan.order // k], plan.send_counts, plan.recv_counts, rank, pg, tag
-    )
-    g_rows = _exchange(grad[plan.order], plan.send_counts, plan.recv_counts, rank, pg, tag)
     gw1, gw2 = torch.zeros_like(w1), torch.zeros_like(w2)
-    g_in = rows.new_zeros(rows.shape, dtype=x.dtype)
-    for e in range(plan.owned):
-        sel = (plan.local_expert == e).nonzero().squeeze(1)
-        if not sel.numel():
-            continue
-        # torch.func's vjp: autograd's own dispatch is off inside a custom op's kernel
-        y, vjp = torch.func.vjp(
-            lambda xe, a, b: _expert_forward(fn, orient, xe, a, b), rows[sel], w1[e], w2[e]
-        )
-        gx, ga, gb = vjp(g_rows[sel].to(y.dtype))
-        g_in[sel] = gx.to(x.dtype)
-        gw1[e] += ga
-        gw2[e] += gb
-    back = _exchange(g_in, plan.recv_counts, plan.send_counts, rank, pg, tag)
+
+    def run(parts: list[torch.Tensor], source: int) -> torch.Tensor:
+        rows, g_rows = parts
+        g_in = rows.new_zeros(rows.shape, dtype=x.dtype)
+        for e, sel in _rows_by_expert(plan.experts_of(source), plan.owned):
+            # torch.func's vjp: autograd's own dispatch is off inside a custom op's kernel
+            y, vjp = torch.func.vjp(
+                lambda xe, a, b: _expert_forward(fn, orient, xe, a, b), rows[sel], w1[e], w2[e]
+            )
+            gx, ga, gb = vjp(g_rows[sel].to(y.dtype))
+            g_in[sel] = gx.to(x.dtype)
+            gw1[e] += ga
+            gw2[e] += gb
+        return g_in
+
+    sent = [x.reshape(n, -1)[plan.order // k], grad[plan.order]]
+    back = exchange_and_compute(sent, plan.routing, run, h, x.dtype)
     gx_out = torch.zeros((n, h), dtype=x.dtype, device=x.device)
     gx_out.index_add_(0, plan.order // k, back)
     return gx_out.reshape(x.shape), gw1, gw2
