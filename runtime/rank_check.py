@@ -15,7 +15,12 @@ communicates, on every rank alike:
   ``sync_module_states``);
 * input shapes and dtypes (and integer inputs such as a symbolic length) at the graph's first
   call and whenever this rank's shapes differ from its previous call (``check_inputs="shapes"``,
-  the default); with ``check_inputs=True`` also a checksum of the inputs' values, every call.
+  the default); with ``check_inputs=True`` also a checksum of the inputs' values, every call;
+* the program itself, at the first call: each module's status in the report (sharded or
+  skipped) and the graph's transfers in order (kind and layer). The passes are meant to decide
+  alike on every rank, but a pass that fails on some ranks only (a rank-dependent bug) would
+  leave the ranks running different schedules, whose transfers do not match: a gloo abort or
+  an NCCL hang. ``ProgramMismatchError`` names the module and what each rank did with it.
 
 The gathered payload is the same on every rank, so every rank reaches the same verdict and
 raises the same error: no rank is left waiting in a collective.
@@ -47,6 +52,11 @@ class InputMismatchError(RanksDisagreeError):
 
 class ModuleStateMismatchError(RanksDisagreeError):
     """The ranks hold different parameters or buffers at the model's first call."""
+
+
+class ProgramMismatchError(RanksDisagreeError):
+    """The ranks compiled different programs for the same graph (a pass that failed on some
+    ranks only): their transfers would not match."""
 
 
 def communicates(gm: torch.fx.GraphModule) -> bool:
@@ -123,11 +133,18 @@ class RankCheck:
     values: bool = False
     sync: bool = False
     checks_inputs: bool = True
+    # (the compared signature, {module: why} for the error): see ``program_signature``
+    program: tuple = ((), {})
     last: tuple | None = field(default=None, init=False)
+    _program_checked: bool = field(default=False, init=False)
 
     @classmethod
     def of_graph(
-        cls, group: TSPGroup, inputs: list[tuple[str, str]], check_inputs: bool | str, sync: bool
+        cls,
+        group: TSPGroup,
+        inputs: list[tuple[str, str]],
+        check_inputs: bool | str,
+        sync: bool,
     ) -> RankCheck:
         """The check of a graph whose inputs are ``(kind, name)`` by position (kinds of
         ``passes/analyse.py``; a parameter's or buffer's name is its FQN). Tensor inputs are
@@ -136,7 +153,12 @@ class RankCheck:
         ints = [(i, n) for i, (kind, n) in enumerate(inputs) if kind == "symint"]
         states = [(i, n) for i, (kind, n) in enumerate(inputs) if kind in ("parameter", "buffer")]
         return cls(
-            group, tensors + ints, states, check_inputs is True, sync, check_inputs is not False
+            group,
+            tensors + ints,
+            states,
+            check_inputs is True,
+            sync,
+            check_inputs is not False,
         )
 
     def __call__(self, args: list[Any]) -> None:
@@ -156,9 +178,10 @@ class RankCheck:
         shapes = tuple((name, _signature(args[i])) for i, name in self.inputs)
         if not self.checks_inputs:
             shapes = ()
-        if not states and not self.values and shapes == self.last:
+        if not states and not self.values and shapes == self.last and self._program_checked:
             return
         payload = {
+            "program": None if self._program_checked else self.program,
             "inputs": shapes,
             "values": [checksum(args[i]) for i, _ in self.inputs if _tensor(args[i])]
             if self.values
@@ -168,6 +191,8 @@ class RankCheck:
         everyone: list[Any] = [None] * self.group.size
         dist.all_gather_object(everyone, payload, group=process_group(self.group.name))
         _compare_inputs(everyone, self.inputs, self.values)
+        _compare_programs(everyone)
+        self._program_checked = True
         differing = _compare_states(everyone, self.sync)
         if differing:
             _broadcast_from_first(
@@ -215,6 +240,50 @@ def _compare_inputs(everyone: list[Any], inputs: list[tuple[int, str]], values: 
                     f"{ranks} passed different values than rank 0. Every rank of the TSP group "
                     "must pass the same full batch (the graph takes each rank's zigzag part)."
                 )
+
+
+def program_signature(entries, transfers) -> tuple:
+    """What the ranks compare at a graph's first call: ``((module statuses, transfers),
+    reasons)``, from the report's entries (kind, module, status) and the graph's transfers
+    (kind, layer) in issue order (``passes.schedule.transfers``). The reasons only explain a
+    difference (their wording may name a rank)."""
+    statuses = tuple((e.kind, e.module, e.status) for e in entries)
+    reasons = {f"{e.kind} {e.module}": e.reason for e in entries}
+    return (statuses, tuple((t.kind, t.tag) for t in transfers)), reasons
+
+
+def _compare_programs(everyone: list[Any]) -> None:
+    if everyone[0]["program"] is None:
+        return
+    ranks = _ranks_differing(everyone, lambda p: p["program"][0])
+    if not ranks:
+        return
+    (mine, my_transfers), my_reasons = everyone[0]["program"]
+    (theirs, their_transfers), their_reasons = everyone[ranks[0]]["program"]
+    diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+    if diff is not None:
+        (kind, module, status), (_, other_module, other_status) = diff
+        what = (
+            f"{kind} '{module}' is {status} on rank 0 "
+            f"({my_reasons.get(f'{kind} {module}') or 'no reason given'}) but "
+            f"{kind} '{other_module}' is {other_status} on rank {ranks[0]} "
+            f"({their_reasons.get(f'{kind} {other_module}') or 'no reason given'})"
+        )
+    elif len(mine) != len(theirs):
+        what = f"rank 0 reports {len(mine)} modules, rank {ranks[0]} {len(theirs)}"
+    else:
+        what = (
+            f"the same modules, but rank 0 issues {len(my_transfers)} transfers and rank "
+            f"{ranks[0]} {len(their_transfers)}, first differing at "
+            f"{next((a, b) for a, b in zip(my_transfers + ((),), their_transfers + ((),)) if a != b)}"
+        )
+    raise ProgramMismatchError(
+        f"tspc: the ranks compiled different programs for this graph: {what}. Their transfers "
+        "would not match (a crash or a hang), so no rank runs it. This is a tspc bug: please "
+        "report it with this message and the log (TORCH_LOGS=+tspc). Meanwhile "
+        "options={'schedules': 'sp'} shards the sequence only, or a D that divides the model's "
+        "sizes may avoid the failing pass."
+    )
 
 
 def _describe(sig: Any) -> str:

@@ -7,6 +7,8 @@
 * Inputs: different lengths per rank raise ``InputMismatchError`` on every rank (by default)
   within seconds, where gloo used to abort one rank and hang the other; different batches of
   the same shape raise with ``check_inputs=True``.
+* A pass that fails on one rank only (simulated) leaves the ranks with different programs:
+  every rank raises ``ProgramMismatchError`` at the first call instead of a gloo abort.
 * A model whose parameters are views of one flat tensor trains three AdamW steps equal to one
   process and checkpoints; its shared storage is never freed.
 * Compiling, training and deleting a model leaves torch's process-wide state as it found it.
@@ -129,6 +131,44 @@ def test_inputs_that_differ_between_ranks_are_an_error_on_every_rank(world, case
         assert "CollectiveTimeout" not in r["error"] and r["seconds"] < (
             20 if case == "batch" else 250
         ), r
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def program_worker(rank: int, world: int) -> dict:
+    """A pass that fails on the last rank only (a rank-dependent bug, simulated): that rank
+    runs the passes again without the failing MLP, the others shard it."""
+    import tspc.pipeline as pipeline
+
+    torch.compiler.reset()
+    model = build_reference_model(seed=0, num_layers=2)
+    original = pipeline.rewrite_mlp
+
+    def failing_on_last_rank(gm, info, m, group, *args):
+        if group.rank == world - 1 and m.module.endswith("layers.1.mlp"):
+            raise RuntimeError("a rank-dependent failure")
+        return original(gm, info, m, group, *args)
+
+    pipeline.rewrite_mlp = failing_on_last_rank
+    try:
+        run = torch.compile(model, backend="tsp", options={"inner": "aot_eager"})
+        ids = _ids(0)
+        return _timed_error(lambda: _loss(run(ids), ids).backward())
+    finally:
+        pipeline.rewrite_mlp = original
+
+
+@pytest.mark.slow
+def test_programs_that_differ_between_ranks_are_an_error_on_every_rank():
+    """Where gloo aborted one rank and left the other in a collective, every rank raises
+    ``ProgramMismatchError`` at the first call, naming the module and each rank's status."""
+    for r in spawn(program_worker, 2, timeout=300, fresh=True):
+        assert r["type"] == "ProgramMismatchError", r
+        msg = r["error"]
+        assert "'layers.1.mlp' is matched on rank 0" in msg, msg
+        assert "skipped on rank 1 (rewrite failed: RuntimeError: a rank-dependent" in msg, msg
+        assert r["seconds"] < 250, r
 
 
 # --------------------------------------------------------------------------- shared storage

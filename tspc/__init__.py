@@ -21,6 +21,7 @@ from tspc.runtime.optimizers import OptimizerParameterError
 from tspc.runtime.rank_check import (
     InputMismatchError,
     ModuleStateMismatchError,
+    ProgramMismatchError,
     RanksDisagreeError,
 )
 from tspc.runtime.release import ReleasedParameterError, is_released
@@ -35,6 +36,7 @@ __all__ = [
     "enable_generate",
     "InputMismatchError",
     "ModuleStateMismatchError",
+    "ProgramMismatchError",
     "RanksDisagreeError",
     "OptimizerParameterError",
     "PartitionerTagError",

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from tspc.passes.analyse import analyse
+from tspc.passes.schedule import transfers
 from tspc.passes.shard_sequence import find_sequence_length
 from tspc.runtime import comm
 from tspc.runtime.autograd_glue import plain_tangents
@@ -39,7 +40,7 @@ from tspc.runtime.errors import TSPConfigError, TSPHeldWholeWarning
 from tspc.runtime.group import TSPGroup, resolve_group
 from tspc.runtime.optimizers import watch as watch_optimizers
 from tspc.runtime.presharded import over_own_parameters, refuse_presharded
-from tspc.runtime.rank_check import RankCheck, communicates
+from tspc.runtime.rank_check import RankCheck, communicates, program_signature
 from tspc.runtime.release import tspc_internal
 from tspc.runtime.shard_store import STORE
 from tspc.runtime.tsp_params import (
@@ -84,10 +85,8 @@ class CompiledGraph:
     aot: AotGraphs
 
 
-COMPILED: list[CompiledGraph] = []
-"""The latest graphs compiled in this process, oldest first, for dumps and tests: at most
-``KEEP_COMPILED``, so that a long run that recompiles does not keep every graph it made."""
-KEEP_COMPILED = 16
+COMPILED: list[CompiledGraph] = []  # the latest graphs compiled, oldest first (dumps, tests)
+KEEP_COMPILED = 16  # at most: a long run that recompiles does not keep every graph it made
 
 
 @compiles.gc_paused
@@ -200,6 +199,7 @@ def _compile_static(
     if group.size > 1 and (result.shard_inputs or communicates(result.gm)):
         kinds = [(inp.kind, inp.fqn) for inp in info.inputs]
         rank_check = RankCheck.of_graph(group, kinds, opts.check_inputs, opts.sync_module_states)
+        rank_check.program = program_signature(report.entries, transfers(result.gm.graph))
     params = [i for i, inp in enumerate(info.inputs) if inp.kind == "parameter"]
     layouts = {
         s.param_index: STORE.get(example_inputs[s.param_index]).layout for s in result.shard_inputs
@@ -570,9 +570,8 @@ def _tsp_backend(gm, example_inputs, options):
             return _PerShapeCompiler(gm, group, opts, dynamo_id)
         graph_id = next(_GRAPH_IDS)
         fn = _compile_static(gm, list(example_inputs), group, opts, why, dynamo_id, graph_id)
-    except Exception as e:
-        # Anything tspc raised before a weight was released: the plain compile of Dynamo's
-        # graph (symbolic sizes and all) stands in, or the error that says why none can.
+    except Exception as e:  # before a weight was released: the plain compile stands in,
+        # or the error that says why none can (symbolic sizes and all)
         if graph_id is None:
             graph_id = next(_GRAPH_IDS)
             why = (compiles.NEW_GRAPH, "a graph Dynamo traced")
