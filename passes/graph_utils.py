@@ -508,6 +508,18 @@ def first_reached(
     return best
 
 
+def closure(start: fx.Node, through: Collection[str]) -> set[fx.Node]:
+    """The nodes reached from ``start`` through users whose ``op_name`` is in ``through``."""
+    seen: set[fx.Node] = set()
+    stack = [start]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen and op_name(u) in through:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
 def backward_reach(dst: fx.Node, start: fx.Node) -> set[fx.Node]:
     """The tensor nodes ``dst`` depends on, from ``start`` on in graph order (nodes before
     ``start`` cannot lie on a path from it; stopping there keeps each call local to one layer

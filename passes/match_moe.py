@@ -32,7 +32,7 @@ import torch.fx as fx
 from .analyse import GraphInfo
 from .graph_utils import (
     backward_reach,
-    first_reached,
+    closure,
     module_fqn_of_param,
     op_name,
     reachable,
@@ -40,7 +40,6 @@ from .graph_utils import (
     tensor_inputs,
     val,
 )
-from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .match_moe_dense import DenseNoMatch, match_dense
 from .moe_match import MoeMatch
@@ -182,9 +181,13 @@ _COMBINE = ("mul", "getitem", "index_select", "view", "reshape", "sum", "unsquee
 
 
 def _combined_output(mm2: fx.Node, n_tok: int, hidden: int) -> fx.Node:
-    """The first node after the second matmul that is ``[N, h]``: the weighted sum over each
-    token's choices (reached only through scaling, un-permuting, reshaping and summing)."""
-    best = first_reached(mm2, _COMBINE, lambda u: shape(u) == (n_tok, hidden))
+    """The weighted sum over each token's choices: the *last* ``[N, h]`` node reached from the
+    second matmul through scaling, un-permuting, reshaping and summing. Not the first: with
+    top-k 1 the pairs are as many as the tokens, so the scaled rows are ``[N, h]`` already,
+    still in the experts' order, and the un-permutation and the sum over k = 1 come after
+    them (taking the scaled rows left the un-permutation in the graph, applied twice)."""
+    reached = closure(mm2, _COMBINE)
+    best = max((u for u in reached if shape(u) == (n_tok, hidden)), default=None)
     if best is None:
         raise _NoMatch("the experts' outputs are not summed back to one row per token")
     return best
@@ -267,18 +270,6 @@ def match_moe(gm: fx.GraphModule, info: GraphInfo, world: int) -> tuple[list[Moe
             continue
         except Exception as e:  # noqa: BLE001 - this block alone is skipped and reported
             skips.append(failed("mlp", block, "match", e))
-            continue
-        c = -(-m.experts // world)
-        if world > 1 and (world - 1) * c >= m.experts:
-            skips.append(
-                Skip(
-                    "mlp",
-                    block,
-                    f"mixture of experts: {m.experts} experts cannot be split over D={world} "
-                    f"ranks in chunks of {c} (a rank would own none)",
-                    fix=size_fix("number of experts", m.experts),
-                )
-            )
             continue
         matches.append(m)
     return matches, skips
