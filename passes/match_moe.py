@@ -26,6 +26,8 @@ A block that does not fit is reported as skipped with the reason (``find_moe_blo
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
@@ -43,6 +45,9 @@ from .graph_utils import (
 from .match_attention import Skip, failed
 from .match_moe_dense import DenseNoMatch, match_dense
 from .moe_match import MoeMatch
+from .verify_moe import CollapseMismatch, check_collapse
+
+log = logging.getLogger("tspc")
 
 GROUPED_MM = ("grouped_mm_fallback", "_grouped_mm", "grouped_mm")
 _TRANSPOSES = ("transpose", "t", "permute", "contiguous")
@@ -177,6 +182,25 @@ def match_one(w_a: fx.Node, w_b: fx.Node, params) -> MoeMatch:
     )
 
 
+def moe_chain_module(m: MoeMatch) -> fx.GraphModule:
+    """The activation between the two expert matmuls as a function of the first one's rows."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {m.mm1: g.placeholder("p0")}
+    for n in m.chain:
+        env[n] = g.node_copy(n, lambda a: env[a] if a in env else _constant(g, a, env))
+    g.output(env[m.mm2_input])
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _constant(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
+    """A constant the chain reads (built from no input): copied with its own inputs."""
+    for i in node.all_input_nodes:
+        if i not in env:
+            _constant(g, i, env)
+    env[node] = g.node_copy(node, lambda a: env[a])
+    return env[node]
+
+
 _COMBINE = ("mul", "getitem", "index_select", "view", "reshape", "sum", "unsqueeze", "to", "float")
 
 
@@ -265,7 +289,11 @@ def match_moe(gm: fx.GraphModule, info: GraphInfo, world: int) -> tuple[list[Moe
             continue
         try:
             m = match_one(stacked[0], stacked[1], params)
-        except _NoMatch as e:
+            if m.form != "dense":  # the dense form proves its own reading (match_moe_dense)
+                unchecked = check_collapse(m, moe_chain_module(m))
+                if unchecked:
+                    log.debug("tspc: MoE block %s: the collapse check was %s", block, unchecked)
+        except (_NoMatch, CollapseMismatch) as e:
             skips.append(Skip("mlp", block, f"mixture of experts: {e}"))
             continue
         except Exception as e:  # noqa: BLE001 - this block alone is skipped and reported

@@ -28,7 +28,7 @@ from tspc.runtime.shard_store import ShardSpec
 
 from .analyse import defer_recompile
 from .graph_utils import mutated_args, shape, tensor_val
-from .match_moe import MoeMatch, is_constant
+from .match_moe import MoeMatch, is_constant, moe_chain_module
 from .shard_inputs import ShardInputs
 
 
@@ -41,25 +41,6 @@ class MoeRewrite:
     activation: str
     form: str  # "moe (expert parallel)"
     shard_numel: int
-
-
-def moe_chain_module(m: MoeMatch) -> fx.GraphModule:
-    """The activation between the two expert matmuls as a function of the first one's rows."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {m.mm1: g.placeholder("p0")}
-    for n in m.chain:
-        env[n] = g.node_copy(n, lambda a: env[a] if a in env else _constant(g, a, env))
-    g.output(env[m.mm2_input])
-    return fx.GraphModule(torch.nn.Module(), g)
-
-
-def _constant(g: fx.Graph, node: fx.Node, env: dict) -> fx.Node:
-    """A constant the chain reads (built from no input): copied with its own inputs."""
-    for i in node.all_input_nodes:
-        if i not in env:
-            _constant(g, i, env)
-    env[node] = g.node_copy(node, lambda a: env[a])
-    return env[node]
 
 
 def _spec(m: MoeMatch, world: int, rank: int) -> ShardSpec:
