@@ -40,8 +40,8 @@ from .graph_utils import (
 )
 from .held_whole import size_fix
 from .match_attention import Skip, failed
-from .match_moe import einsum_projection_only
-from .projection import _MATMULS, Linear, as_linear
+from .match_moe import applied_by_matmul, einsum_projection_only
+from .projection import Linear, as_linear
 
 _ATTENTION = ("sdpa", "softmax", "flex_attention")
 _ROUTING = ("topk", "argmax", "argsort", "sort")
@@ -226,7 +226,7 @@ def find_moe_blocks(gm: fx.GraphModule, params) -> dict[str, str]:
     found: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in params and len(shape(node)) == 3:
-            mm = None if einsum_projection_only(node) else _matmul_reached(node)
+            mm = None if einsum_projection_only(node) else applied_by_matmul(node)
             if mm is not None:
                 fqn = params[node].fqn
                 found.setdefault(fqn.rsplit(".", 1)[0], []).append(
@@ -247,18 +247,6 @@ def find_moe_blocks(gm: fx.GraphModule, params) -> dict[str, str]:
         else:
             blocks[outer[0]] += "; " + "; ".join(found[module])
     return blocks
-
-
-def _matmul_reached(node: fx.Node, depth: int = 3) -> fx.Node | None:
-    for u in node.users:
-        name = op_name(u) or ""
-        if name in _MATMULS or "mm" in name.split("_") or name in ("bmm", "baddbmm", "einsum"):
-            return u
-        if depth > 1 and name in ("getitem", "transpose", "permute", "t", "to", "contiguous"):
-            found = _matmul_reached(u, depth - 1)
-            if found is not None:
-                return found
-    return None
 
 
 def _reaches(node: fx.Node, names: tuple[str, ...], depth: int) -> bool:

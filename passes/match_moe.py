@@ -45,6 +45,7 @@ from .graph_utils import (
 from .match_attention import Skip, failed
 from .match_moe_dense import DenseNoMatch, match_dense
 from .moe_match import MoeMatch
+from .projection import _MATMULS
 from .verify_moe import CollapseMismatch, check_collapse
 
 log = logging.getLogger("tspc")
@@ -259,12 +260,27 @@ def einsum_projection_only(param: fx.Node) -> bool:
     return True
 
 
+def applied_by_matmul(node: fx.Node, depth: int = 3) -> fx.Node | None:
+    """The matmul-family op (grouped, batched, einsum, ...) that applies the 3-D parameter
+    ``node``, through a few views and casts; None for any other use (a convolution's
+    ``[C, 1, K]`` weight is no stack of experts)."""
+    for u in node.users:
+        name = op_name(u) or ""
+        if name in _MATMULS or "mm" in name.split("_") or name in ("bmm", "baddbmm", "einsum"):
+            return u
+        if depth > 1 and name in ("getitem", "transpose", "permute", "t", "to", "contiguous"):
+            found = applied_by_matmul(u, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
 def stacked_pairs(gm: fx.GraphModule, params) -> dict[str, list[fx.Node]]:
     """{MoE block (``module_fqn_of_param``'s module of the experts): its 3-D parameters}."""
     out: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in params and len(shape(node)) == 3:
-            if einsum_projection_only(node):
+            if einsum_projection_only(node) or applied_by_matmul(node) is None:
                 continue
             out.setdefault(module_fqn_of_param(params[node].fqn), []).append(node)
     return out

@@ -87,3 +87,23 @@ def test_a_block_above_the_budget_is_not_run(monkeypatch):
     assert "not run: stacked weights above 10 elements" in verify.check_collapse(
         m, moe_chain_module(m)
     )
+
+
+def test_a_convolution_weight_is_no_stack_of_experts():
+    """A depthwise ``Conv1d`` weight is 3-D (``[C, 1, K]``) but no matmul applies it: no MoE
+    block (Mamba's and linear attention's short convolutions were listed as "mixture of
+    experts: 1 stacked parameters")."""
+    from tspc.passes.analyse import analyse
+    from tspc.passes.match_moe import match_moe
+
+    class ShortConv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1d = torch.nn.Conv1d(16, 16, 4, groups=16, padding=3)
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(self.conv1d(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2))
+
+    gm, inputs = capture(ShortConv(), torch.randn(2, 8, 16))
+    assert match_moe(gm, analyse(gm, inputs), 2) == ([], [])
