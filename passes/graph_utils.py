@@ -508,6 +508,29 @@ def first_reached(
     return best
 
 
+def copy_region(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node) -> fx.GraphModule:
+    """``nodes`` (graph order) as a module of ``inputs`` returning ``out``, to run on values of
+    one's choosing; what else they read must be built from no input (a constant: copied along).
+    Raises ``LookupError`` naming a graph input or attribute the region reads besides
+    ``inputs``."""
+    g = fx.Graph()
+    env = {n: g.placeholder(f"p{i}") for i, n in enumerate(inputs)}
+
+    def get(a: fx.Node) -> fx.Node:
+        if a not in env:
+            if a.op in ("placeholder", "get_attr"):
+                raise LookupError(f"the region reads {a.name}")
+            for i in a.all_input_nodes:
+                get(i)
+            env[a] = g.node_copy(a, lambda b: env[b])
+        return env[a]
+
+    for n in nodes:
+        get(n)
+    g.output(env[out])
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
 def closure(start: fx.Node, through: Collection[str]) -> set[fx.Node]:
     """The nodes reached from ``start`` through users whose ``op_name`` is in ``through``."""
     seen: set[fx.Node] = set()

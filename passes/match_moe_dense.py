@@ -25,7 +25,15 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import first_reached, module_fqn_of_param, op_name, shape, tensor_inputs, val
+from .graph_utils import (
+    copy_region,
+    first_reached,
+    module_fqn_of_param,
+    op_name,
+    shape,
+    tensor_inputs,
+    val,
+)
 from .moe_match import MoeMatch
 
 BMM = ("bmm", "matmul")
@@ -47,27 +55,10 @@ def bmm_of(param: fx.Node) -> fx.Node | None:
 
 
 def _copy_region(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node) -> fx.GraphModule:
-    """``nodes`` (in graph order) as a module of ``inputs``; any other input must be built
-    from no input (a constant), and is copied along."""
-    g = fx.Graph()
-    env = {n: g.placeholder(f"p{i}") for i, n in enumerate(inputs)}
-
-    def get(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op == "placeholder" or a.op == "get_attr":
-                raise DenseNoMatch(f"the experts' region reads {a.name}")
-            for i in a.all_input_nodes:
-                get(i)
-            env[a] = g.node_copy(a, lambda b: env[b])
-        return env[a]
-
-    for n in nodes:
-        if n not in env:
-            for i in n.all_input_nodes:
-                get(i)
-            env[n] = g.node_copy(n, lambda b: env[b])
-    g.output(env[out])
-    return fx.GraphModule(torch.nn.Module(), g)
+    try:
+        return copy_region(nodes, inputs, out)
+    except LookupError as e:
+        raise DenseNoMatch(f"the experts' {e}") from e
 
 
 def _between(dst: fx.Node, srcs: list[fx.Node]) -> list[fx.Node]:

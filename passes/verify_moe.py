@@ -28,7 +28,7 @@ import torch.fx as fx
 from tspc.runtime.compat import no_fake_mode
 from tspc.runtime.moe import _expert_forward
 
-from .graph_utils import mutated_args, shape, val
+from .graph_utils import copy_region, mutated_args, shape, val
 
 BUDGET = 1 << 24  # elements of the two stacked weights
 # relative to the output's largest entry, by the operands' dtype: rounding of a grouped kernel
@@ -38,27 +38,6 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 1e-2, torc
 
 class CollapseMismatch(Exception):
     """The block's region and its collapse disagree on random values."""
-
-
-def _copy_region(nodes: list[fx.Node], inputs: list[fx.Node], out: fx.Node) -> fx.GraphModule:
-    """``nodes`` (graph order) as a module of ``inputs``; what else they read must be built
-    from no input (a constant) and is copied along."""
-    g = fx.Graph()
-    env = {n: g.placeholder(f"p{i}") for i, n in enumerate(inputs)}
-
-    def get(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op in ("placeholder", "get_attr"):
-                raise LookupError(f"the region reads {a.name}")
-            for i in a.all_input_nodes:
-                get(i)
-            env[a] = g.node_copy(a, lambda b: env[b])
-        return env[a]
-
-    for n in nodes:
-        get(n)
-    g.output(env[out])
-    return fx.GraphModule(torch.nn.Module(), g)
 
 
 def _with_writes(region: set[fx.Node]) -> list[fx.Node]:
@@ -113,7 +92,7 @@ def check_collapse(m, chain: fx.GraphModule) -> str | None:
     inputs = [m.x, m.ids, m.weights, m.w1, m.w2]
     with no_fake_mode():
         try:
-            module = _copy_region(_with_writes(m.region | {m.out}), inputs, m.out)
+            module = copy_region(_with_writes(m.region | {m.out}), inputs, m.out)
             operands = _random_operands(m, torch.Generator().manual_seed(0))
             got = module(*operands).double()
         except Exception as e:  # noqa: BLE001 - a region that cannot run here is not checked
