@@ -42,6 +42,7 @@ from .graph_utils import (
     tensor_inputs,
     val,
 )
+from .held_whole import size_fix
 from .match_attention import Skip, failed
 from .match_moe_dense import DenseNoMatch, match_dense
 from .moe_match import MoeMatch
@@ -314,6 +315,20 @@ def match_moe(gm: fx.GraphModule, info: GraphInfo, world: int) -> tuple[list[Moe
             continue
         except Exception as e:  # noqa: BLE001 - this block alone is skipped and reported
             skips.append(failed("mlp", block, "match", e))
+            continue
+        c = -(-m.experts // world)
+        if world > 1 and (world - 1) * c >= m.experts:
+            # an empty Shard(0) slice trains exactly, but generate() at D = 3 with E = 4 hung
+            # (the empty rank recompiled its prefill alone): held whole until that is solved
+            skips.append(
+                Skip(
+                    "mlp",
+                    block,
+                    f"mixture of experts: {m.experts} experts cannot be split over D={world} "
+                    f"ranks in chunks of {c} (a rank would own none)",
+                    fix=size_fix("number of experts", m.experts),
+                )
+            )
             continue
         matches.append(m)
     return matches, skips

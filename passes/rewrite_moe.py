@@ -43,12 +43,9 @@ class MoeRewrite:
     shard_numel: int
 
 
-def _spec(m: MoeMatch, world: int, rank: int) -> ShardSpec:
-    """Rank ``rank``'s experts of a stacked weight: possibly none (E = 4 on D = 3: experts 0-1,
-    2-3 and none), a slice of length 0 that still gives the rank an (empty) local tensor and
-    gradient, as DTensor's own uneven ``Shard(0)`` does."""
+def _specs(m: MoeMatch, world: int, rank: int) -> ShardSpec | None:
     own = owned_experts(m.experts, world, rank)
-    return ShardSpec(0, own.start, own.stop)
+    return ShardSpec(0, own.start, own.stop) if len(own) else None
 
 
 def collapse_moe(gm: fx.GraphModule, m: MoeMatch, chains: dict) -> fx.Node:
@@ -110,8 +107,9 @@ def shard_moe(
     if D > 1:
         with gm.graph.inserting_before(op):
             for i, p in ((2, m.w1), (3, m.w2)):
-                shards.declare(p, [[_spec(m, D, r)] for r in range(D)])
-                spec = _spec(m, D, rank)
+                layout = [[s] if (s := _specs(m, D, r)) else [] for r in range(D)]
+                shards.declare(p, layout)
+                spec = _specs(m, D, rank)
                 name = f"tsp_{m.module.replace('.', '_')}_w{i - 1}"
                 args[i] = shards.get(p, spec, name)
                 numel += spec.length * shape(p)[1] * shape(p)[2]

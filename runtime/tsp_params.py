@@ -10,15 +10,17 @@ After a module's first compiled call, every parameter the compiled graphs read i
   slices are no DTensor placement (fused Q/K/V of unequal sizes, KV heads fewer than ranks)
   or where a graph also reads the whole weight — there the gradient is summed over the group,
   so the replicas stay equal (the compile report says which);
-* any other parameter (norms, embeddings, ...) is a ``Replicate()`` DTensor on its storage.
+* every other parameter (norms, embeddings, unmatched layers) is a ``Replicate()`` DTensor
+  sharing the original's storage.
 
 So ``model.parameters()``, torch's optimizers, ``clip_grad_norm_``, ``model.state_dict()`` and
 ``torch.distributed.checkpoint`` see one consistent set of DTensors. The compiled graphs still
 run on plain tensors: while the model runs, a hook on the module the user called (the
-``OptimizedModule``, or the model whose ``forward`` was compiled) puts back each parameter's
-plain *stand-in* Dynamo compiled against (same metadata, no recompile; a sharded weight's has
-no storage) and the DTensors when the call returns. The graph gets views of each DTensor's
-local tensor (differentiable: gradients land on the DTensor parameters).
+``OptimizedModule``, or the model whose ``forward`` was compiled) puts back, for each parameter,
+the plain *stand-in* Dynamo compiled against (same metadata, so no recompile; for a sharded
+weight a full-shape tensor without storage), and puts the DTensors back when the call returns.
+The runtime feeds the graph views of each DTensor's local tensor (``to_local`` is
+differentiable: gradients land on the DTensor parameters, as DTensors).
 """
 
 from __future__ import annotations
@@ -58,11 +60,8 @@ log = logging.getLogger("tspc")
 
 def layout_placement(layout: Layout, shape: tuple[int, ...]) -> tuple:
     """The DTensor placement that says exactly which slices each rank holds, as
-    ``("shard", dim)``, ``("strided", dim, k)`` or ``("replicate",)`` when none does. A slice
-    of length 0 (a rank owning no expert) holds nothing, as an empty local tensor of DTensor's
-    uneven ``Shard``."""
+    ``("shard", dim)``, ``("strided", dim, k)`` or ``("replicate",)`` when none does."""
     world = len(layout)
-    layout = tuple(tuple(s for s in own if s.length) for own in layout)
     specs = [s for own in layout for s in own]
     dims = {s.dim for s in specs}
     if len(dims) != 1:

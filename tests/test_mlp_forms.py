@@ -207,10 +207,11 @@ def test_a_transformers_mixtral_block_goes_to_expert_parallelism_not_the_ring():
         "down_proj",
     ]
     assert match_mlp(gm, info, 2, moe_blocks={m.module: None}) == ([], [])
-    # 4 experts on 3 ranks in torch.chunk's chunks of 2: rank 2 owns none (an empty shard, as
-    # DTensor's uneven Shard(0)); the block is still matched
-    moe3, skips3 = match_moe(gm, info, 3)
-    assert [m.module for m in moe3] == ["model.layers.0.mlp"] and not skips3, skips3
+    # 4 experts on 3 ranks in torch.chunk's chunks of 2: rank 2 would own none -> held whole,
+    # with the D values that fit
+    none3, skips3 = match_moe(gm, info, 3)
+    assert not none3 and "a rank would own none" in skips3[0].reason, skips3
+    assert "1, 2, 4" in skips3[0].fix, skips3[0].fix
 
 
 def test_a_compiled_models_activation_chains_die_with_it():

@@ -259,23 +259,6 @@ def test_moe_uneven_experts_aux_loss_and_adamw_d2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("world", "experts"), [(3, 4), pytest.param(4, 3, marks=pytest.mark.extended)]
-)
-def test_moe_rank_without_experts_trains_like_one_process(world, experts):
-    """E = 4 on D = 3 (chunks of 2: experts 0-1, 2-3, none) and E = 3 on D = 4: the last rank
-    holds an empty shard, still exchanges its tokens' pairs (at D = 3 the pipelined exchange
-    takes two ring-shift steps), and the model trains like one process."""
-    rows = spawn(training_worker, world, "mixtral", {"num_local_experts": experts}, timeout=900)
-    _check_training(rows)
-    c = -(-experts // world)
-    for rank, r in enumerate(rows):
-        start, stop = min(rank * c, experts), min((rank + 1) * c, experts)
-        assert r["owned"]["model.layers.1.mlp.experts.down_proj"] == [(0, start, stop)], r
-    assert rows[-1]["owned"]["model.layers.0.mlp.experts.gate_up_proj"][0][1:] == (experts,) * 2
-
-
-@pytest.mark.slow
 @pytest.mark.extended
 def test_moe_adamw_and_weights_per_rank_d4():
     """D = 4, 8 experts of intermediate 128: 3 AdamW steps equal one process, and the

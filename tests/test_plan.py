@@ -357,7 +357,7 @@ def test_moe_uneven_and_empty_expert_ranks_are_noted(capsys) -> None:
         experts=6, experts_per_token=2, expert_intermediate=32, family="mixtral",
     )  # fmt: skip
     notes = make_plan(shape, PlanInputs(devices=4, seq_len=64)).scheme("TSP(D=4)").notes
-    assert any("the last 1 rank(s) own none" in n for n in notes), notes
+    assert any("a rank would own none" in n for n in notes)
     notes = make_plan(shape, PlanInputs(devices=4, seq_len=64)).scheme("TP+EP(T=4)").notes
     assert any("own none" in n for n in notes)
     five = ModelShape(**{**shape.__dict__, "experts": 5})

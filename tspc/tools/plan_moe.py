@@ -81,15 +81,9 @@ def divisibility_notes(model: ModelShape, ways: int, kind: str) -> tuple[str, ..
         return ()
     c = experts_per_rank(model, ways)
     if (ways - 1) * c >= model.experts:
-        owning = -(-model.experts // c)
-        if kind == "TSP":  # an empty shard on the last ranks, as DTensor's uneven Shard(0)
-            return (
-                f"{model.experts} experts on {ways} ranks in chunks of {c}: the last "
-                f"{ways - owning} rank(s) own none (their compute and memory for experts idle)",
-            )
         return (
-            f"{model.experts} experts on {ways} ranks: a rank would own none, which the "
-            "TP+EP baseline (tspc/tools/baselines_moe.py) refuses (figures above assume the split)",
+            f"{model.experts} experts on {ways} ranks: a rank would own none; tspc then holds "
+            "the experts whole on every rank (figures above assume the split)",
         )
     if model.experts % ways:
         return (f"{model.experts} experts not divisible by {ways}: {c} on the first ranks",)
