@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from tspc.runtime.compat import no_fake_mode
-from tspc.runtime.moe import _expert_forward
+from tspc.runtime.moe import _expert_forward, rows_by_expert
 
 from .graph_utils import copy_region, mutated_args, shape, val
 
@@ -76,10 +76,8 @@ def _collapsed(m, chain: fx.GraphModule, x, ids, weights, w1, w2) -> torch.Tenso
     flat = ids.reshape(-1).long()
     rows = x.reshape(x.shape[0], -1)[torch.arange(flat.numel()) // m.top_k]
     out = rows.new_zeros((flat.numel(), m.hidden), dtype=torch.float64)
-    for e in range(m.experts):
-        sel = (flat == e).nonzero().squeeze(1)
-        if sel.numel():
-            out[sel] = _expert_forward(chain, m.orient, rows[sel], w1[e], w2[e]).double()
+    for e, sel in rows_by_expert(flat, m.experts):
+        out[sel] = _expert_forward(chain, m.orient, rows[sel], w1[e], w2[e]).double()
     scaled = out * weights.reshape(-1, 1).double()
     return scaled.view(-1, m.top_k, m.hidden).sum(1)
 

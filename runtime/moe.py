@@ -31,7 +31,8 @@ gradients come back — the same pipelined exchange.
 
 Bytes: every all-to-all is counted in ``COUNTER`` under the layer's tag as ``all_to_all``, by the
 bytes each rank really receives from and sends to the others (``moe_bytes`` is the formula the
-tests hold it against). ``LOAD[tag]`` keeps the rows this rank computed in the last call, for the load-imbalance report.
+tests hold it against). ``LOAD[tag]`` keeps the rows this rank computed in the last call, for
+the load-imbalance report.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class _Plan:
         if world > 1:
             dist.all_to_all_single(recv, per_expert, group=group)
             # c int64 counts from each of the D - 1 others (D = 2 hid a count of one peer's)
-            _count(tag, (world - 1) * c * 8, world)
+            _count_counts(tag, (world - 1) * c * 8)
         self.recv_per_expert = recv.view(world, c)  # [source rank, my local expert]
         self.recv_counts = self.recv_per_expert.sum(1).tolist()
         self._recv_at = [0, *accumulate(self.recv_counts)]
@@ -102,13 +103,13 @@ class _Plan:
         return self.local_expert[self._recv_at[source] : self._recv_at[source + 1]]
 
 
-def _count(tag: str, recv_bytes: int, world: int, sent_bytes: int | None = None) -> None:
-    COUNTER.record(
-        "all_to_all", tag, recv=recv_bytes, sent=recv_bytes if sent_bytes is None else sent_bytes
-    )
+def _count_counts(tag: str, nbytes: int) -> None:
+    """The counts exchange, as many bytes each way (the rows' exchange counts itself:
+    ``moe_exchange``)."""
+    COUNTER.record("all_to_all", tag, recv=nbytes, sent=nbytes)
 
 
-def _rows_by_expert(local_expert: torch.Tensor, owned: int):
+def rows_by_expert(local_expert: torch.Tensor, owned: int):
     """(expert, the indices of its rows) for each local expert that has rows."""
     for e in range(owned):
         sel = (local_expert == e).nonzero().squeeze(1)
@@ -144,7 +145,7 @@ def moe_experts(
     def run(parts: list[torch.Tensor], source: int) -> torch.Tensor:
         rows = parts[0]
         done = rows.new_zeros((rows.shape[0], h), dtype=out_dtype)
-        for e, sel in _rows_by_expert(plan.experts_of(source), plan.owned):
+        for e, sel in rows_by_expert(plan.experts_of(source), plan.owned):
             done[sel] = _expert_forward(fn, orient, rows[sel], w1[e], w2[e]).to(out_dtype)
         return done
 
@@ -186,7 +187,7 @@ def moe_experts_backward(
     def run(parts: list[torch.Tensor], source: int) -> torch.Tensor:
         rows, g_rows = parts
         g_in = rows.new_zeros(rows.shape, dtype=x.dtype)
-        for e, sel in _rows_by_expert(plan.experts_of(source), plan.owned):
+        for e, sel in rows_by_expert(plan.experts_of(source), plan.owned):
             # torch.func's vjp: autograd's own dispatch is off inside a custom op's kernel
             y, vjp = torch.func.vjp(
                 lambda xe, a, b: _expert_forward(fn, orient, xe, a, b), rows[sel], w1[e], w2[e]

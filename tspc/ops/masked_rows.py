@@ -71,8 +71,9 @@ def _softmax(x: torch.Tensor, safe: bool) -> torch.Tensor:
 
 def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
     """``softmax(q k^T * scale + bias) @ v`` (accumulation dtype, [Hq, n, dv]) of query rows
-    q [Hq, n, d] against every key k, v [Hkv, L, d]; ``bias`` a float (the same at every key) or a tensor
-    broadcastable to [Hq|1, n, L]. ``safe``: SDPA's softmax (a row -inf everywhere is 0)."""
+    q [Hq, n, d] against every key k, v [Hkv, L, d]; ``bias`` a float (the same at every key)
+    or a tensor broadcastable to [Hq|1, n, L]. ``safe``: SDPA's softmax (a row -inf everywhere
+    is 0)."""
     hq, n = q.shape[:2]
     out = []
     for r0 in range(0, n, ROWS):
@@ -85,8 +86,8 @@ def rows_forward(q, k, v, bias, scale: float, safe: bool) -> torch.Tensor:
 
 def rows_backward(go, q, k, v, bias, scale: float, safe: bool):
     """(dq [Hq, n, d], dk, dv [Hkv, L, d]) in the accumulation dtype of ``rows_forward`` for
-    the output gradient ``go`` [Hq, n, dv]: autograd's softmax backward at the row's weights, as the
-    eager code's autograd computes it."""
+    the output gradient ``go`` [Hq, n, dv]: autograd's softmax backward at the row's weights,
+    as the eager code's autograd computes it."""
     hq, n = q.shape[:2]
     hk = k.shape[0]
     kf, vf = upcast(k)[:, None], upcast(v)[:, None]  # [Hkv, 1, L, d]
