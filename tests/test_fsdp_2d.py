@@ -116,7 +116,38 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     )
     torch.compiler.reset()
     out["hsdp"] = hsdp_run(ref)
+    torch.compiler.reset()
+    out["real_peak"] = real_step_peak()
     return out
+
+
+MEM_CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2)
+MEM_SEQ = 256
+
+
+def real_step_peak() -> int:
+    """The CPU allocator's peak of the step ``tspc plan --measure`` runs (training, AdamW made
+    after the first call, the third step counted) on the (2, 2) fsdp mesh, on real tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tspc.samples.reference_model import RefConfig, RefModel
+    from tspc.tools.measure import LossModel, measured_step, warm_up
+    from tspc.tools.memory import MemoryTracker
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tsp"))
+    with MemoryTracker() as mt:
+        cfg = RefConfig(**MEM_CFG)
+        model = LossModel(RefModel(cfg))
+        ids = torch.randint(0, cfg.vocab_size, (1, MEM_SEQ))
+        opts = {"group": mesh, "mesh_dim": "tsp", "data_parallel": "fsdp"}
+        step = torch.compile(model, backend="tsp", options=opts)
+        opt = warm_up(
+            step, ids, ids, "train", 2, lambda: torch.optim.AdamW(model.parameters(), lr=1e-4)
+        )
+        mt.reset_peak()
+        measured_step(step, ids, ids, "train", opt)
+    return mt.peak_bytes
 
 
 def hsdp_run(ref) -> dict:
@@ -217,6 +248,19 @@ def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
         ratio = r["opt_bytes"] * 4 / r["ref_opt_bytes"]
         print(f"optimizer state bytes per rank {r['opt_bytes']}, one process {r['ref_opt_bytes']}")
         assert 0.9 < ratio < 1.1, (ratio, r["opt_bytes"], r["ref_opt_bytes"])
+    # `tspc plan --measure --dp 2 --data-parallel fsdp`'s fake-tensor peak of the same step (the
+    # real graphs on a (2, 2) mesh of fake ranks) against the CPU allocator's on gloo, per rank
+    from tspc.tools.measure import measure
+    from tspc.tools.plan import ModelShape
+
+    shape = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=128)
+    meas = measure(shape, devices=2, seq_len=MEM_SEQ, dtype="fp32", recompute="none",
+                   dp=2, data_parallel="fsdp")  # fmt: skip
+    for rank, r in enumerate(results):
+        fake = meas.runs[2][rank % 2]  # (dp, tsp) rank: the dp replicas hold the same
+        print(f"rank {rank}: real peak {r['real_peak']}, fake {fake.peak}, {fake.at_peak}")
+        assert fake.level == "tsp" and fake.at_peak["dp_gathered"] > 0, fake
+        assert abs(fake.peak - r["real_peak"]) <= 0.10 * r["real_peak"], (r["real_peak"], fake)
 
 
 def launch_two_nodes(out: str, timeout: float = 600) -> None:
@@ -299,3 +343,45 @@ def test_plan_dp_per_rank_memory(capsys):
     assert (
         "dp = 4 replicas of TSP(D=8) = 32 ranks (--data-parallel fsdp)" in capsys.readouterr().out
     )
+
+
+@pytest.mark.slow
+def test_plan_measure_on_a_data_parallel_mesh(tmp_path, capsys):
+    """`tspc plan --dp N --data-parallel fsdp|hsdp --measure`: the real graphs on a mesh of
+    dp x D fake ranks (each rank in a process of its own). The model state a rank holds shrinks
+    with the ranks that share it (the TSP-only measurement, rank 1, is the independent side),
+    and the weights gathered over dp show up as their own part of the peak."""
+    import json
+
+    from tspc.tools.plan import main
+
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 128}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    base = ["--config", str(path), "-D", "2", "--seq", "128", "--measure", "--json",
+            "--measure-ranks", "1", "--measure-layers", "all"]  # fmt: skip
+
+    def measured(*extra: str) -> dict:
+        assert main([*base, *extra]) == 0
+        return json.loads(capsys.readouterr().out)["measured"]
+
+    alone = measured()
+    fsdp = measured("--dp", "4", "--data-parallel", "fsdp")
+    hsdp = measured("--dp", "4", "--data-parallel", "hsdp", "--dp-shard", "2")
+    assert (fsdp["data_parallel"], fsdp["dp"], hsdp["data_parallel"]) == ("fsdp", 4, "hsdp")
+    state = ("shards", "other_params", "gradients", "optimizer")
+
+    def held(m: dict) -> float:
+        return sum(m["per_rank_bytes"]["1"][c] for c in state)
+
+    # fsdp: the state is split over 4 dp ranks (8 for the parameters cut over the whole mesh);
+    # hsdp with shard groups of 2: over 2 (4)
+    assert held(alone) / 8 <= held(fsdp) <= held(alone) / 4 * 1.01, (held(alone), held(fsdp))
+    assert held(alone) / 4 <= held(hsdp) <= held(alone) / 2 * 1.01, (held(alone), held(hsdp))
+    assert alone["per_rank_bytes"]["1"]["dp_gathered"] == 0
+    assert fsdp["per_rank_bytes"]["1"]["dp_gathered"] > 0
+    assert all(t["level"] == "tsp" for t in fsdp["traces"] + hsdp["traces"])
+    with pytest.raises(SystemExit):
+        main([*base, "--dp", "4", "--data-parallel", "hsdp", "--dp-shard", "3"])
+    assert "--dp-shard 3 must divide --dp 4" in capsys.readouterr().err

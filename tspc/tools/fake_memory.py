@@ -31,6 +31,9 @@ CATEGORIES = (
     "optimizer",
     "activations",  # saved activations, working set, logits, inputs: everything else
     "communication",  # buffers produced by collectives, from their start to their last use
+    # buffers an eager ``torch.distributed`` collective wrote into: with data_parallel="fsdp"
+    # the TSP-local weights gathered over dp for a call (runtime/dp_shard.py)
+    "dp_gathered",
 )
 CATEGORY_LABELS = {
     "full_weights": "full wts",
@@ -40,10 +43,16 @@ CATEGORY_LABELS = {
     "optimizer": "optim",
     "activations": "activ",
     "communication": "comm",
+    "dp_gathered": "dp gath",
 }
 
 # Namespaces whose ops are collectives: tspc's own (start/wait pairs) and torch's functional ones.
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+# ``torch.distributed``'s eager collectives (``dist.all_gather_into_tensor``...) write into a
+# buffer their caller made: the block that buffer opened is relabelled, not a new one opened.
+_EAGER_COLLECTIVES = "c10d"
+# ops that copy a tensor: a copy of such a buffer keeps its label
+_COPIES = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
 
 
 def _is_tspc(func: Any, suffix: str | tuple[str, ...]) -> bool:
@@ -76,7 +85,9 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
 @dataclass
 class _Block:
     nbytes: int
-    kind: str  # "state" (registered before the step), "comm" (a collective's output), "other"
+    # "state" (registered before the step), "comm" (a collective's output), "eager_comm" (a
+    # buffer an eager collective wrote into), "other"
+    kind: str
     born: int  # op index at which it appeared
     died: float = math.inf  # index of the last op during which it was alive
     op: str = ""  # the op that produced it ("" for registered state)
@@ -119,6 +130,8 @@ class FakeMemoryTracker(TorchDispatchMode):
         n = st.nbytes()
         if holder is not None:
             blk = self.blocks[holder[0]]
+            if kind == "eager_comm" and blk.kind == "other":
+                blk.kind = kind
             if blk.nbytes != n:  # resized in place (aten.resize_, set_): close and reopen
                 blk.died = self._op
                 holder[0] = self._open(n, blk.kind, self._op, blk.op)
@@ -146,6 +159,12 @@ class FakeMemoryTracker(TorchDispatchMode):
         if blk.nbytes != st.nbytes():
             blk.died = self._op
             holder[0] = self._open(st.nbytes(), blk.kind, self._op + 1, blk.op)
+
+    def _kind_of(self, t: Any) -> str:
+        if not isinstance(t, torch.Tensor):
+            return ""
+        blocks = self.block_of(t)
+        return self.blocks[blocks[0]].kind if blocks else ""
 
     def block_of(self, t: torch.Tensor) -> list[int]:
         """Indices of the blocks currently behind ``t`` (empty when untracked)."""
@@ -195,6 +214,10 @@ class FakeMemoryTracker(TorchDispatchMode):
         # A start returns the buffer the transfer lands in (born when it is issued); its wait
         # is ``_c10d_functional.wait_tensor`` and plain layout ops (runtime/comm.py).
         kind = "comm" if collective else "other"
+        if getattr(func, "namespace", "") == _EAGER_COLLECTIVES or (
+            func in _COPIES and args and self._kind_of(args[0]) == "eager_comm"
+        ):
+            kind = "eager_comm"  # a dim-1 gather's contiguous copy is still the gathered weight
         name = str(func)
         for t in tree_leaves(out):  # in-place ops return their input: resizes are seen here
             if isinstance(t, torch.Tensor):

@@ -52,8 +52,9 @@ both measured depths so the per-layer increment can be checked, and
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,9 @@ __all__ = [
 ]
 
 MODES = ("train", "forward")
+DATA_PARALLEL = ("replicate", "fsdp", "hsdp")
+# the category of a block no state claims, by what made it (fake_memory._Block.kind)
+_UNCLAIMED = {"comm": "communication", "eager_comm": "dp_gathered"}
 
 # --------------------------------------------------------------------------------------------
 # One rank
@@ -132,13 +136,20 @@ def measure_rank(
     mode: str = "train",
     schedules: str = "tsp",
     recompute: str = "none",
+    dp: int = 1,
+    data_parallel: str = "replicate",
+    dp_shard: int | None = None,
 ) -> RankMeasurement:
     """Compile and run one step of the reference model as ``rank`` of ``world``, on fake
     tensors, and measure the step's peak live bytes (see the module doc).
 
     ``config`` is a ``samples.reference_model.RefConfig``. ``mode``: "train" (forward, loss,
     backward, AdamW step; two warm-up steps compile and create the optimizer state, the third
-    is measured) or "forward" (the loss under ``torch.no_grad()``).
+    is measured) or "forward" (the loss under ``torch.no_grad()``). ``dp`` > 1 with
+    ``data_parallel`` "fsdp" or "hsdp" (shard groups of ``dp_shard`` ranks) runs the TSP axis
+    as the first of ``dp`` replicas on a (dp, tsp) / (rep, shard, tsp) mesh of dp x ``world``
+    fake ranks, ``rank`` its TSP rank; "replicate" is the one axis (its model state per rank
+    does not depend on dp).
     """
     import tspc
     from tspc.runtime.compat import FakeTensorMode
@@ -150,9 +161,10 @@ def measure_rank(
     torch.compiler.reset()  # a fresh model per rank: stale guards would recompile, then give up
     last_id = tspc.report.last_graph_id()
     with (
-        _fake_group(rank, world),
+        _fake_group(rank, world * dp),
         _default_dtype(TORCH_DTYPES[dtype]),
         _keep_fake_parameter_class(),
+        _data_parallel_mesh(world, dp, data_parallel, dp_shard) as mesh_options,
         FakeTensorMode(),
     ):
         t0 = time.perf_counter()
@@ -163,7 +175,8 @@ def measure_rank(
             model,
             backend="tsp",
             # fake tensors: aot_eager (Inductor would generate and build kernels for them)
-            options={"schedules": schedules, "recompute": recompute, "inner": "aot_eager"},
+            options={"schedules": schedules, "recompute": recompute, "inner": "aot_eager"}
+            | mesh_options,
         )
         # the first call compiles; a recompile would come at the second
         optimizer = warm_up(
@@ -220,7 +233,7 @@ def measure_rank(
         largest: list[tuple[int, str, str]] = []
         for i in tracker.live_at_peak():
             blk = tracker.blocks[i]
-            cat = role.get(i) or ("communication" if blk.kind == "comm" else "activations")
+            cat = role.get(i) or _UNCLAIMED.get(blk.kind, "activations")
             at_peak[cat] += blk.nbytes
             largest.append((blk.nbytes, cat, blk.op or "(state)"))
         by_op: dict[tuple[str, str], int] = {}
@@ -264,6 +277,42 @@ def measure_rank(
     )
 
 
+def _in_own_process(config: Any, **kwargs: Any) -> RankMeasurement:
+    """``measure_rank`` in a fresh process. On a data-parallel mesh a second measurement in
+    the same process finds a parameter of the first one's model (a DTensor on the destroyed
+    fake group's mesh) in tspc's per-process state; a process per rank is the isolation."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure_rank, (config,), kwargs)
+
+
+@contextlib.contextmanager
+def _data_parallel_mesh(
+    devices: int, dp: int, data_parallel: str, dp_shard: int | None
+) -> Iterator[dict[str, Any]]:
+    """The backend options that put the TSP axis of ``devices`` ranks on the data-parallel
+    mesh of the fake group (this rank in the first replica: the TSP dim is the last), or none
+    for one TSP axis (``replicate``: the dp axis changes nothing a rank holds during a step)."""
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+    if dp == 1 or data_parallel == "replicate":
+        yield {}
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if data_parallel == "fsdp":
+        mesh = init_device_mesh("cpu", (dp, devices), mesh_dim_names=("dp", "tsp"))
+    else:  # hsdp: dp / dp_shard replicas of a shard group of dp_shard ranks
+        shard = dp_shard or dp
+        if dp % shard:
+            raise ValueError(f"dp_shard = {shard} does not divide dp = {dp}")
+        mesh = init_device_mesh(
+            "cpu", (dp // shard, shard, devices), mesh_dim_names=("rep", "shard", "tsp")
+        )
+    yield {"group": mesh, "mesh_dim": "tsp", "data_parallel": data_parallel}
+
+
 # --------------------------------------------------------------------------------------------
 # All ranks, full depth (or extrapolated to it)
 # --------------------------------------------------------------------------------------------
@@ -280,6 +329,10 @@ class Measurement:
     recompute: str
     runs: dict[int, list[RankMeasurement]]  # depth -> one entry per measured rank
     full: list[dict[str, float]] = field(default_factory=list)  # per rank: category -> bytes
+    # the data-parallel mesh the TSP axis ran in ("replicate": one TSP axis alone)
+    data_parallel: str = "replicate"
+    dp: int = 1
+    dp_shard: int | None = None
 
     @property
     def extrapolated(self) -> bool:
@@ -306,10 +359,14 @@ def measure(
     schedules: str = "tsp",
     recompute: str = "none",
     progress: Any = None,
+    dp: int = 1,
+    data_parallel: str = "replicate",
+    dp_shard: int | None = None,
 ) -> Measurement:
     """Measure ``ranks`` (default: all) of a D-rank TSP run of the model ``shape`` (a planner
     ``ModelShape``). ``layers=n`` with n + 1 below the model's depth measures n and n+1 layers
-    and extrapolates linearly (module doc); otherwise, and with ``None``, the full depth."""
+    and extrapolates linearly (module doc); otherwise, and with ``None``, the full depth.
+    ``dp``, ``data_parallel``, ``dp_shard``: the data-parallel mesh around it (``measure_rank``)."""
     ranks = list(range(devices)) if ranks is None else list(ranks)
     bad = [r for r in ranks if not 0 <= r < devices]
     if bad:
@@ -325,7 +382,8 @@ def measure(
         config = ref_config_from_shape(shape, depth)
         runs[depth] = []
         for r in ranks:
-            res = measure_rank(
+            run = measure_rank if dp == 1 or data_parallel == "replicate" else _in_own_process
+            res = run(
                 config,
                 seq_len=seq_len,
                 micro_batch=micro_batch,
@@ -335,6 +393,9 @@ def measure(
                 mode=mode,
                 schedules=schedules,
                 recompute=recompute,
+                dp=dp,
+                data_parallel=data_parallel,
+                dp_shard=dp_shard,
             )
             runs[depth].append(res)
             if progress is not None:
@@ -357,4 +418,7 @@ def measure(
         recompute=recompute,
         runs=runs,
         full=full,
+        data_parallel=data_parallel if dp > 1 else "replicate",
+        dp=dp,
+        dp_shard=dp_shard,
     )

@@ -48,7 +48,10 @@ def format_measurement(meas: Any, shape: Any, inputs: Any, seconds: float) -> st
         else "forward (loss under no_grad)"
     )
     first = next(iter(meas.runs.values()))[0]
-    lines = ["", f"Measured: TSP(D={d}) on fake tensors, {what}, recompute={meas.recompute}"]
+    where = f"TSP(D={d})"
+    if meas.data_parallel != "replicate":
+        where += f" in {meas.data_parallel} over dp = {meas.dp} ({meas.dp * d} fake ranks)"
+    lines = ["", f"Measured: {where} on fake tensors, {what}, recompute={meas.recompute}"]
     text = (
         f"the real rewritten graph ran at level '{first.level}': {first.matched_attention} "
         f"attention and {first.matched_mlp} MLP layers matched in the {first.layers}-layer trace"
@@ -97,8 +100,14 @@ def format_measurement(meas: Any, shape: Any, inputs: Any, seconds: float) -> st
             )
         lines += _table(["traced", *headers[1:]], depth_rows)
 
-    plan_tsp = memory_breakdown(shape, inputs, "TSP", d, d)
     matched = analytic_as_measured(shape, inputs, meas.mode, meas.recompute)
+    traces = sum(len(v) for v in meas.runs.values())
+    timing = f"  time: {seconds:.0f} s for {traces} trace(s) (one per rank and depth)"
+    if meas.data_parallel != "replicate":
+        return "\n".join(
+            [*lines, *_dp_comparison(meas, shape, inputs, matched, unit, scale), timing]
+        )
+    plan_tsp = memory_breakdown(shape, inputs, "TSP", d, d)
     kappa = 4 * inputs.act_bytes if meas.mode == "train" else inputs.act_bytes
     assumed = (
         f"kappa={kappa} B/param, recompute={meas.recompute}"
@@ -113,9 +122,43 @@ def format_measurement(meas: Any, shape: Any, inputs: Any, seconds: float) -> st
         f"   ({assumed}, 2 shards in flight, c0=0)",
     ]
     lines += _explain(meas, shape, inputs, plan_tsp, matched, unit, scale)
-    traces = sum(len(v) for v in meas.runs.values())
-    lines.append(f"  time: {seconds:.0f} s for {traces} trace(s) (one per rank and depth)")
+    lines.append(timing)
     return "\n".join(lines)
+
+
+def _dp_comparison(
+    meas: Any, shape: Any, inputs: Any, matched: Any, unit: str, scale: float
+) -> list[str]:
+    """The measured split of the largest rank's peak on a data-parallel mesh beside
+    ``tspc plan --dp``'s row for that mode, under the measured step's assumptions."""
+    from tspc.tools.plan_dp import TSPAxis, dp_memory
+
+    full = meas.full[max(range(len(meas.full)), key=meas.peak)]
+    state = sum(full[c] for c in ("full_weights", "shards", "other_params", "gradients"))
+    state += full["optimizer"]
+    kappa = 4 * inputs.act_bytes if meas.mode == "train" else inputs.act_bytes  # as measured
+    axis = TSPAxis(
+        matched.model_state, matched.total, kappa * shape.total_params, kappa,
+        inputs.act_bytes, inputs.devices,
+    )  # fmt: skip
+    row = dp_memory(axis, meas.dp, meas.data_parallel, meas.dp_shard)
+    rows = [
+        ("model state (weights, grads, optimizer)", state, row.model_state),
+        ("weights gathered for a call", full["dp_gathered"], row.gathered),
+        ("activations, K/V, logits, buffers", full["activations"] + full["communication"],
+         row.rest),
+        ("total", sum(full.values()), row.total),
+    ]  # fmt: skip
+    lines = [f"  measured vs analytic ({unit}, the largest rank; analytic: `--dp` row, c0=0):"]
+    lines += [f"    {label:42}{m / scale:10.2f}{a / scale:10.2f}" for label, m, a in rows]
+    lines += _wrap(
+        "the analytic row counts the gathered weights' unreduced gradients with the gathered "
+        "weights (an upper bound: all of them at once); measured, those gradients are made by "
+        "the backward graph and counted with the activations, and the weights gathered for a "
+        "call are those live at the peak (a parameter the backward no longer needs is gone)",
+        first="  - ",
+    )
+    return lines
 
 
 def _wrap(text: str, first: str = "  ", rest: str = "    ") -> list[str]:

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model, inputs = inputs_from_args(args)
+        plan_dp.check_shard(args.dp, args.dp_shard)
     except ValueError as err:
         parser.error(str(err))
     plan = make_plan(model, inputs)
@@ -328,6 +329,9 @@ def _run_measure(
         ranks=ranks,
         recompute=args.recompute,
         progress=progress,
+        dp=args.dp,
+        data_parallel=args.data_parallel,
+        dp_shard=args.dp_shard,
     )
     seconds = time.perf_counter() - start
     ranks = [r.rank for r in meas.runs[meas.measured_layers[0]]]
@@ -335,6 +339,8 @@ def _run_measure(
     data = {
         "mode": meas.mode,
         "recompute": meas.recompute,
+        "data_parallel": meas.data_parallel,
+        "dp": meas.dp,
         "layers_traced": list(meas.measured_layers),
         "extrapolated": meas.extrapolated,
         "per_rank_bytes": {

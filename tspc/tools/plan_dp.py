@@ -1,5 +1,6 @@
-"""`tspc plan --dp N --data-parallel replicate|fsdp`: per-rank memory of TSP(D) with N data-parallel
-replicas of it on a 2-D (dp, tsp) mesh (``docs/cluster.md``).
+"""`tspc plan --dp N --data-parallel replicate|fsdp|hsdp`: per-rank memory of TSP(D) with N
+data-parallel replicas of it on a 2-D (dp, tsp) mesh, or a 3-D (rep, shard, tsp) one for hsdp
+(``docs/cluster.md``).
 
 Only the model state changes with dp (activations, gathered K/V, logits, weights in flight and
 the fixed overhead are those of one TSP(D) axis):
@@ -10,6 +11,11 @@ the fixed overhead are those of one TSP(D) axis):
   gathers the TSP-local weights (1/D of the model, in the weight dtype) and, before the
   reduce-scatter, holds their unreduced gradients (the same bytes again: an upper bound, the
   compiled backward hands the gradients over together).
+* ``hsdp``: as ``fsdp`` within shard groups of ``--dp-shard S`` ranks (the model state over
+  S x D ranks), replicated across the dp / S groups.
+
+``tspc plan --measure`` with ``fsdp`` or ``hsdp`` runs the real graphs on that mesh of fake
+ranks (``tspc/tools/measure.py``) and prints the measured split beside these rows.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MODES = ("replicate", "fsdp")
+MODES = ("replicate", "fsdp", "hsdp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="replicate",
         help="what the dp axis does with the model state (replicate)",
     )
+    group.add_argument(
+        "--dp-shard", type=_dp_size, default=None, metavar="S",
+        help="hsdp: ranks of the dp axis in one shard group (default: all of dp, as fsdp)",
+    )  # fmt: skip
 
 
 def _dp_size(text: str) -> int:
@@ -68,26 +78,31 @@ class TSPAxis:
     devices: int
 
 
-def dp_memory(axis: TSPAxis, dp: int, mode: str) -> DPMemory:
-    """Per-rank memory of ``axis`` with ``dp`` replicas under ``mode``."""
+def dp_memory(axis: TSPAxis, dp: int, mode: str, shard: int | None = None) -> DPMemory:
+    """Per-rank memory of ``axis`` with ``dp`` replicas under ``mode`` (hsdp: shard groups of
+    ``shard`` ranks, default all of dp)."""
     rest = axis.total - axis.model_state
     if mode == "replicate" or dp == 1:
         return DPMemory(mode, axis.model_state, 0.0, rest)
     local_params = axis.model_state / axis.kappa if axis.kappa else 0.0
-    state = axis.full_model_state / (dp * axis.devices)
+    spread = dp if mode == "fsdp" else (shard or dp)
+    state = axis.full_model_state / (spread * axis.devices)
     return DPMemory(mode, state, 2 * local_params * axis.weight_bytes, rest)
 
 
-def dp_rows(axis: TSPAxis, dp: int) -> list[DPMemory]:
-    return [dp_memory(axis, dp, m) for m in MODES]
+def dp_rows(axis: TSPAxis, dp: int, shard: int | None = None) -> list[DPMemory]:
+    return [dp_memory(axis, dp, m, shard) for m in MODES]
 
 
-def format_dp(rows: list[DPMemory], devices: int, dp: int, chosen: str) -> str:
+def format_dp(
+    rows: list[DPMemory], devices: int, dp: int, chosen: str, shard: int | None = None
+) -> str:
     gb = 1e9
+    groups = f", hsdp shard groups of {shard}" if shard and shard != dp else ""
     lines = [
         "",
         f"Data parallelism: dp = {dp} replicas of TSP(D={devices}) = {dp * devices} ranks "
-        f"(--data-parallel {chosen}); per rank, GB:",
+        f"(--data-parallel {chosen}{groups}); per rank, GB:",
         f"  {'':44}" + "".join(f"{r.mode:>12}" for r in rows),
     ]
     for label, key in (
@@ -100,9 +115,10 @@ def format_dp(rows: list[DPMemory], devices: int, dp: int, chosen: str) -> str:
     return "\n".join(lines)
 
 
-def dp_json(rows: list[DPMemory], dp: int, chosen: str) -> dict[str, Any]:
+def dp_json(rows: list[DPMemory], dp: int, chosen: str, shard: int | None = None) -> dict[str, Any]:
     return {
         "dp": dp,
+        "dp_shard": shard or dp,
         "chosen": chosen,
         "per_rank_bytes": {r.mode: {**asdict(r), "total": r.total} for r in rows},
     }
@@ -116,6 +132,16 @@ def report(plan: Any, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         tsp.model_state, tsp.total, inputs.kappa * model.total_params, inputs.kappa,
         inputs.act_bytes, inputs.devices,
     )  # fmt: skip
-    rows = dp_rows(axis, args.dp)
-    text = format_dp(rows, inputs.devices, args.dp, args.data_parallel) if args.dp > 1 else ""
-    return text, dp_json(rows, args.dp, args.data_parallel)
+    shard = check_shard(args.dp, args.dp_shard)
+    rows = dp_rows(axis, args.dp, shard)
+    text = (
+        format_dp(rows, inputs.devices, args.dp, args.data_parallel, shard) if args.dp > 1 else ""
+    )
+    return text, dp_json(rows, args.dp, args.data_parallel, shard)
+
+
+def check_shard(dp: int, shard: int | None) -> int | None:
+    """``--dp-shard``, checked against ``--dp``: a ValueError naming the fix."""
+    if shard is not None and dp % shard:
+        raise ValueError(f"--dp-shard {shard} must divide --dp {dp} (the replicas of a group)")
+    return shard
