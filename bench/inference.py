@@ -6,6 +6,9 @@ A transformers Llama (random weights, GQA) generates greedily from one prompt of
 tokens, batch 1, on CPU gloo processes:
 
 * ``one``: one process, eager ``model.generate`` (no tspc);
+* ``one_compiled``: one process, compiled as transformers documents it for generation: a static
+  cache (``generation_config.cache_implementation = "static"``) and
+  ``model.forward = torch.compile(model.forward)`` (Inductor; no CUDA graphs on CPU);
 * ``tsp``: ``model.forward = torch.compile(model.forward, backend="tsp")`` then
   ``model.generate``: the prompt on the TSP schedules (1/D of the tokens and of the weights per
   rank, each rank keeping its own tokens' K/V), decode tensor-parallel on the shards with the
@@ -88,6 +91,9 @@ def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     model = build(args)
     if mode == "tp":
         model = _tp(model, world)
+    elif mode == "one_compiled":
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward)
     elif mode in ("tsp", "tsp_heads"):
         options = {"decode_layout": "heads"} if mode == "tsp_heads" else None
         model.forward = torch.compile(model.forward, backend="tsp", options=options)
@@ -121,6 +127,8 @@ def run_rank(rank: int, world: int, mode: str, args: dict) -> dict:
     gen(ids[:, :32], 2)  # warm-up: compiles (tsp), first release of the full weights
     if mode.startswith("tsp"):
         gen(ids, 2)  # the long prompt's compile; later generates reuse it
+    if mode == "one_compiled":  # the static cache's length is the prompt's + new: its shapes
+        gen(ids, args["new"])
     calls.clear()
     out = gen(ids, args["new"])
     t_prefill, t_decode = calls[0], sum(calls[1:])
@@ -144,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--modes", nargs="+", default=["tsp", "tsp_heads", "tp"])
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--no-compiled", action="store_true", help="leave out the compiled one-process row"
+    )
     a = ap.parse_args(argv)
     # what each rank is given: the prompt and the model's sizes
     args = {k: v for k, v in vars(a).items() if k not in ("devices", "modes", "json")}
     rows = []
     one = spawn(run_rank, 1, "one", args, timeout=3600)[0]
     rows.append(("one", 1, one))
+    if not a.no_compiled:
+        compiled = spawn(run_rank, 1, "one_compiled", args, timeout=3600)[0]
+        compiled["tokens_equal"] = compiled["tokens"] == one["tokens"]
+        rows.append(("one_compiled", 1, compiled))
     for d in a.devices:
         for mode in a.modes:
             if mode in ("tp", "tsp_heads") and d == 1:
@@ -166,14 +181,18 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {a.prompt}, {a.new} new tokens, batch 1; Llama h={a.hidden}, "
         f"{a.heads} heads / {a.kv_heads} KV, F={a.intermediate}, {a.layers} layers; fp32, CPU\n\n"
         "| mode | D | weights/rank MB | KV cache/rank MB | peak during generate MB | "
-        "peak vs one | prefill s | decode tok/s | tokens = one |\n|---|---|---|---|---|---|---|---|---|"
+        "peak vs one | prefill s | decode tok/s | decode vs one compiled | tokens = one |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
+    base = next((r["decode_tok_s"] for m, _, r in rows if m == "one_compiled"), None)
     lines = [head]
     for mode, d, r in rows:
         lines.append(
             f"| {mode} | {d} | {r['weights'] * mb:.1f} | {r['cache'] * mb:.2f} | "
             f"{r['peak'] * mb:.1f} | {r['peak'] / one['peak']:.2f} | {r['prefill_s']:.2f} | "
-            f"{r['decode_tok_s']:.1f} | {r.get('tokens_equal', True)} |"
+            f"{r['decode_tok_s']:.1f} | "
+            + (f"{r['decode_tok_s'] / base:.2f}" if base else "-")
+            + f" | {r.get('tokens_equal', True)} |"
         )
     table = "\n".join(lines)
     print(table)
