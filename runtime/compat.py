@@ -420,11 +420,14 @@ def donate_no_saved_buffers() -> None:
         ctx.fw_metadata.bw_donated_idxs = []
 
 
-def copy_grad_hooks(src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_grad_hooks(src: torch.Tensor, dst: torch.Tensor, skip=lambda hook: False) -> None:
     """Register on ``dst`` the gradient hooks the user put on ``src`` (``register_hook``,
     ``register_post_accumulate_grad_hook``; torch keeps them in private attributes): a
-    parameter tspc replaces by its DTensor keeps them, as it does under plain torch.compile."""
+    parameter tspc replaces by its DTensor keeps them, as it does under plain torch.compile.
+    ``skip(hook)``: hooks not to copy (tspc's own, which it installs on ``dst`` itself)."""
     for hook in (getattr(src, "_backward_hooks", None) or {}).values():
-        dst.register_hook(hook)
+        if not skip(hook):
+            dst.register_hook(hook)
     for hook in (getattr(src, "_post_accumulate_grad_hooks", None) or {}).values():
-        dst.register_post_accumulate_grad_hook(hook)
+        if not skip(hook):
+            dst.register_post_accumulate_grad_hook(hook)

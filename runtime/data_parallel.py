@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .compat import queue_backward_callback
+from .dp_shard import is_dp_sharded
 from .group import process_group
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
@@ -56,7 +57,9 @@ class GradAverager:
 
     def add(self, param: torch.Tensor) -> None:
         g = param.grad
-        if g is None:
+        if g is None or is_dp_sharded(param):
+            # split over dp (data_parallel="fsdp"/"hsdp"): its reduce-scatter averaged it
+            # already, and the dp ranks hold different parts, which an all-reduce would mix
             return
         if isinstance(g, DTensor):  # a DTensor parameter's gradient: its local part
             g = g.to_local()
@@ -113,6 +116,11 @@ def average_grads_over(params, group_name: str, size: int) -> int:
         setattr(p, _FLAG, averager)
         installed += 1
     return installed
+
+
+def is_averaging_hook(hook) -> bool:
+    """Whether ``hook`` is a ``GradAverager``'s (installed by tspc, not the user)."""
+    return isinstance(getattr(hook, "__self__", None), GradAverager)
 
 
 def grad_written(p: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ from .compat import (
     strided_shard,
 )
 from .compat import is_strided_shard as _is_strided
-from .data_parallel import grad_written
+from .data_parallel import grad_written, is_averaging_hook
 from .dp_shard import dp_part, is_dp_sharded, make_dparam, tsp_local
 from .errors import TSPConfigError, TSPHeldWholeWarning
 from .group import process_group
@@ -308,7 +308,8 @@ def prepare(p: nn.Parameter, group: str, world: int) -> TSPParam:
         dparam = _replicated_dparam(p, mesh, group)
         handle = storage_less(p) if is_dp_sharded(dparam) else p
     tp = TSPParam(dparam, handle, mesh, group, world, entry, original=p)
-    copy_grad_hooks(p, dparam)  # the user's, before tspc's own (``_route_grad``) on p
+    # the user's, before tspc's own (``_route_grad``) on p; dp averaging is the backend's
+    copy_grad_hooks(p, dparam, skip=is_averaging_hook)
     REGISTRY.add(p, tp)
     REGISTRY.add(handle, tp)
     REGISTRY.add(dparam, tp)
