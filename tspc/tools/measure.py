@@ -293,7 +293,8 @@ def _data_parallel_mesh(
 ) -> Iterator[dict[str, Any]]:
     """The backend options that put the TSP axis of ``devices`` ranks on the data-parallel
     mesh of the fake group (this rank in the first replica: the TSP dim is the last), or none
-    for one TSP axis (``replicate``: the dp axis changes nothing a rank holds during a step)."""
+    for one TSP axis (``replicate``: a rank holds what one axis holds; the buckets of the
+    gradients' all-reduce over dp are not counted)."""
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
     if dp == 1 or data_parallel == "replicate":
