@@ -62,8 +62,13 @@ def test_inputs_padded_to_the_bucket():
 
 @pytest.mark.parametrize(
     "extra",
-    [{"output_hidden_states": True}, {"pixel_values": torch.zeros(3, 3)}, {"logits_to_keep": 9}],
-    ids=["hidden-states-asked", "unknown-tensor", "many-logits-short-prompt"],
+    [
+        {"output_hidden_states": True},
+        {"pixel_values": torch.zeros(3, 3)},
+        {"logits_to_keep": 9},
+        {"logits_to_keep": 5},
+    ],
+    ids=["hidden-states-asked", "unknown-tensor", "many-logits-short-prompt", "keep-spans-bucket"],
 )
 def test_calls_it_cannot_pad_run_unpadded(extra):
     ids, _ = _left_padded(3, 7)
@@ -96,6 +101,7 @@ def test_trimmed_prefill_equals_the_unpadded_one(keep):
 
 
 REQUESTS = [(1, 17), (4, 23), (3, 9), (2, 40), (1, 5), (4, 31), (2, 12), (3, 38)]
+SHORT = [(1, 3), (2, 4)]  # (batch, length): at most 2D tokens at D = 2
 
 
 def _serve(rank: int, world: int, tsp: bool = True) -> dict:
@@ -116,7 +122,20 @@ def _serve(rank: int, world: int, tsp: bool = True) -> dict:
                 ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False
             )
         tokens.append(out[:, width:].tolist())
-    return {"tokens": tokens, "compiles": counters["tspc"]["compiles"] - before}
+    compiles = counters["tspc"]["compiles"] - before
+    # prompts of 2D tokens or fewer, whose kept logits (k + 2D - 1) would span the whole bucket:
+    # they run unpadded (the bucketed program gave rank 1 another position's logits there)
+    logits = []
+    for i, (batch, width) in enumerate(SHORT):
+        ids, mask = _left_padded(batch, width, seed=50 + i)
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                return_dict_in_generate=True, output_logits=True,
+            )  # fmt: skip
+        tokens.append(out.sequences[:, width:].tolist())
+        logits.append(torch.stack(out.logits))
+    return {"tokens": tokens, "compiles": compiles, "logits": logits}
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.extended), 2])
@@ -124,5 +143,7 @@ def test_serving_loop_compiles_once_per_batch_bucket(world):
     one = spawn(_serve, 1, False)[0]
     for rank, res in enumerate(spawn(_serve, world, True, timeout=600)):
         assert res["tokens"] == one["tokens"], f"rank {rank}"
+        for got, want in zip(res["logits"], one["logits"]):
+            assert (got - want).abs().max() < 1e-4, f"rank {rank}"
         # batch buckets 1, 2 and 4 (3 pads to 4): one program each serves every length
         assert res["compiles"] == 3, f"rank {rank}: {res['compiles']} compiles"

@@ -111,8 +111,13 @@ def bucket_prompt(args: tuple, kwargs: dict, world: int) -> tuple[tuple, dict, P
     keep = keep if keep else None  # 0: every position's logits
     padded = padded_length(length, world)
     wider = keep + 2 * world - 1 if keep is not None else None
-    if wider is not None and wider > padded:
-        return args, kwargs, None  # (a short prompt asking for many logits: rare)
+    if wider is not None and (wider > padded or wider == padded and length >= world):
+        # many logits asked for, or a prompt of D to 2D tokens: runs unpadded. Kept logits
+        # spanning the whole bucket came back from the length family's program with another
+        # rank's positions in them (at 3 or 4 tokens on 2 ranks, rank 1's last logit was
+        # another token's; found by a probe of generate with short prompts). Fewer tokens than
+        # ranks stay bucketed: the unpadded prefill cannot give every rank a cached token.
+        return args, kwargs, None
     bucket = PromptBucket(batch, length, _bucket_batch(batch), padded, keep)
     for k in (*_SEQUENCE_INPUTS, "cache_position"):
         v = kw.get(k)
