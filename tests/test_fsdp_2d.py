@@ -120,7 +120,43 @@ def train_worker(rank: int, world: int, root: str) -> dict:
     out["graph_break_err"] = graph_break_grad_error()
     torch.compiler.reset()
     out["real_peak"] = real_step_peak()
+    torch.compiler.reset()
+    out["generate"] = generate_unequal_lengths()
     return out
+
+
+def generate_unequal_lengths() -> dict:
+    """generate() under fsdp with the dp ranks decoding different numbers of tokens (as when
+    one meets its EOS first): each equals one process. The decode steps read weights gathered
+    over dp once per call; gathered at every step, the longer rank failed once the other stopped
+    ("Connection closed by peer") and two such calls in a row deadlocked."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import tspc
+
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).eval()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tsp"))
+    dp = mesh.get_local_rank("dp")
+    opts = {"group": mesh, "mesh_dim": "tsp", "data_parallel": "fsdp"}
+    cm = tspc.enable_generate(torch.compile(model, backend="tsp", options=opts))
+    ids = torch.randint(1, 128, (2, 11), generator=torch.Generator().manual_seed(1 + dp))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    equal = []
+    for new in (5, 2) if dp == 0 else (2, 5):
+        with torch.no_grad():
+            kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new}
+            got, want = cm.generate(ids, **kw), ref.generate(ids, **kw)
+        equal.append(torch.equal(got, want))
+    return {"equal": equal}
 
 
 def graph_break_grad_error() -> float:
@@ -274,6 +310,7 @@ def test_fsdp_2d_trains_like_one_process_and_dcp_reshards(tmp_path):
         assert r["norm_err"] < 1e-5, r
         assert r["param_err"] < 1e-5, r
         assert r["graph_break_err"] < 1e-5, r["graph_break_err"]
+        assert r["generate"]["equal"] == [True, True], r["generate"]
         for name, (dims, placements) in r["placements"].items():
             assert dims == ("dp", "tsp"), name
             assert placements[0] == "Shard", (name, placements)  # split over dp

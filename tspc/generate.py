@@ -64,6 +64,7 @@ from tspc.prefill_buckets import bucket_prompt, trim_prefill_output
 from tspc.runtime.compat import compile_options, compiled_module_original, optimized_module_class
 from tspc.runtime.decode import DecodeComm
 from tspc.runtime.decode_moe import is_stacked_experts, local_experts_hooks
+from tspc.runtime.dp_shard import is_dp_sharded
 from tspc.runtime.tsp_params import _refresh_handle, is_tsp_dtensor, tsp_local, tsp_param_of
 
 
@@ -133,8 +134,7 @@ def _tensor_parallel(plan: _TPPlan, comm: DecodeComm, gather_all: bool) -> Itera
             tp = tsp_param_of(p)
             if tp is None:
                 raise RuntimeError(f"tspc: {fqn}.{name} is no longer a TSP parameter")
-            with torch.no_grad():
-                local = tsp_local(tp.dparam)  # gathered over dp with data_parallel='fsdp'
+            local = _decode_weight(tp.dparam)
             saved.append((mod, name, p))
             mod._parameters[name] = local
         for mod in plan.conv1d:  # Conv1D shapes its output by ``nf``: this rank's features
@@ -175,6 +175,32 @@ def _tensor_parallel(plan: _TPPlan, comm: DecodeComm, gather_all: bool) -> Itera
             mod.nf = value
         for mod, name, p in reversed(saved):
             mod._parameters[name] = p
+
+
+def _decode_weight(dparam: torch.Tensor) -> torch.Tensor:
+    """This rank's TSP-local tensor of ``dparam``. Split over dp (``data_parallel="fsdp"``), it
+    is gathered over dp once per ``generate`` call, by ``gather_for_decode`` after the prompt:
+    a gather at every step would pair only while the dp ranks decode in lockstep, and one
+    stopping early (its own EOS, fewer new tokens) left the others waiting forever."""
+    weights = getattr(DECODE, "weights", None)
+    local = weights.get(id(dparam)) if weights is not None else None
+    if local is None:
+        with torch.no_grad():
+            local = tsp_local(dparam)
+    return local
+
+
+def gather_for_decode(model: nn.Module) -> None:
+    """After a prompt inside ``generate``: gather over dp every weight the decode steps read
+    (each ``generate`` call has exactly one prompt, so the dp ranks' gathers pair up)."""
+    weights = getattr(DECODE, "weights", None)
+    if weights is None:
+        return
+    for mod, name, _ in _tp_plan(model).params:
+        tp = tsp_param_of(mod._parameters[name])
+        if tp is not None and is_dp_sharded(tp.dparam) and id(tp.dparam) not in weights:
+            with torch.no_grad():
+                weights[id(tp.dparam)] = tsp_local(tp.dparam)
 
 
 @contextmanager
@@ -286,6 +312,7 @@ class GenerateForward:
         out[name] = cache_from_prefill(
             out[name], ids.shape[1], sharded, group, world, rank, self.windows
         )
+        gather_for_decode(self.model)
         return out
 
     def _tsp_world(self) -> int:
@@ -392,10 +419,14 @@ def _generating() -> Iterator[None]:
     call gets what the compiled forward returns, unchanged (its gathered K/V included)."""
     depth = getattr(DECODE, "generating", 0)
     DECODE.generating = depth + 1
+    if depth == 0:
+        DECODE.weights = {}  # id(DTensor) -> its TSP-local tensor, for this call's decode steps
     try:
         yield
     finally:
         DECODE.generating = depth
+        if depth == 0:
+            DECODE.weights = None
 
 
 def route(model: nn.Module, compiled: Any | None, options: dict | None) -> None:
